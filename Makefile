@@ -1,0 +1,25 @@
+# `make fit`: set up and run the demo.  `make test`: set up and run the test suite.
+VENV ?= .venv
+STAMP := $(VENV)/.ctr-lightning-setup
+PYTEST_ARGS ?=
+
+.PHONY: setup fit test bench clean
+
+setup: $(STAMP)
+
+# The stamp makes a second `make` instant; it is redone when the install inputs change.
+$(STAMP): pyproject.toml scripts/setup_env.sh
+	bash scripts/setup_env.sh $(VENV)
+	touch $(STAMP)
+
+fit: setup
+	$(VENV)/bin/ctr-lightning fit --config configs/demo.yaml
+
+test: setup
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(VENV)/bin/python benchmarks/bench_synthetic.py
+
+clean:
+	rm -rf runs lightning_logs bench_out

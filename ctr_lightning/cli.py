@@ -1,0 +1,72 @@
+"""The ``ctr-lightning`` command: LightningCLI with ctr-lightning's models and DataModules."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from argparse import RawDescriptionHelpFormatter
+from typing import Any
+
+from jsonargparse import DefaultHelpFormatter
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from ctr_lightning.datamodules import CriteoDataModule, LogDataModule, SyntheticCriteoDataModule
+from ctr_lightning.models import DLRMModule
+
+
+class _HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """Keeps the line breaks of the epilog."""
+
+
+class CTRLightningCLI(LightningCLI):
+    """LightningCLI whose model takes its feature layout from the DataModule.
+
+    Example::
+
+        ctr-lightning fit --config configs/demo.yaml --trainer.max_steps 200
+    """
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        # Data is chosen by class (--data CLASS), so its arguments are listed here as well.
+        kwargs.setdefault("epilog", _datamodule_help())
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        return super().init_parser(**kwargs)
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # The data decides the features; the model's tables follow them.
+        parser.link_arguments("data.sparse_feature_names", "model.sparse_feature_names", apply_on="instantiate")
+        parser.link_arguments("data.num_dense_features", "model.num_dense_features", apply_on="instantiate")
+
+
+def _datamodule_help() -> str:
+    lines = ["DataModules (pick with --data CLASS or a config's data.class_path, then set --data.ARG VALUE;"
+             " --data.help CLASS shows types and defaults):"]
+    for cls in (CriteoDataModule, SyntheticCriteoDataModule):
+        args = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+        lines.append(f"  {cls.__name__}: " + ", ".join(f"--data.{a}" for a in args))
+    return "\n".join(lines)
+
+
+def main(args: list[str] | None = None) -> None:
+    # torchrec's KJT asks torch.fx whether it is tracing, which warns once per process.
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    # fbgemm_gpu logs INFO lines through the root logger, whose implicit basicConfig() then
+    # echoes all of Lightning's output a second time. One WARNING handler of our own stops both.
+    for handler in list(logging.root.handlers):
+        logging.root.removeHandler(handler)
+    handler = logging.StreamHandler()
+    handler.setLevel(logging.WARNING)  # records propagated from other loggers skip the root's level
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.root.addHandler(handler)
+    logging.root.setLevel(logging.WARNING)
+    CTRLightningCLI(
+        DLRMModule,
+        LogDataModule,
+        subclass_mode_data=True,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()

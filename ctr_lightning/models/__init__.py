@@ -1,0 +1,5 @@
+"""CTR models as LightningModules."""
+
+from ctr_lightning.models.dlrm import DLRMModule
+
+__all__ = ["DLRMModule"]

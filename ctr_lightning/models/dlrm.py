@@ -1,0 +1,122 @@
+"""A DLRM click-through-rate model as a LightningModule."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics.classification import BinaryAUROC
+from torchrec.models.dlrm import DLRM
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from ctr_lightning.batch import Batch
+from ctr_lightning.embedding import FusedEmbeddingBagCollection, RowWiseAdagrad
+from ctr_lightning.metrics import LogLoss, NormalizedEntropy
+
+CRITEO_SPARSE_FEATURES = tuple(f"C{i}" for i in range(1, 27))
+
+
+class DLRMModule(pl.LightningModule):
+    """DLRM (Naumov et al., 2019): bottom MLP, sparse embeddings, dot interaction, top MLP.
+
+    The sparse part is one module, :attr:`embeddings`, with torchrec's
+    EmbeddingBagCollection interface, updated by its own fused sparse optimizer;
+    Lightning's optimizer (Adam) trains the dense part only.
+
+    Args:
+        sparse_feature_names: categorical features, one table each (linked from the data by the CLI).
+        num_dense_features: continuous features (linked from the data by the CLI).
+        embedding_dim: width of every table; also the bottom MLP's output width.
+        num_embeddings: rows per table; hashed ids are folded into this range.
+        dense_arch_layer_sizes: bottom MLP; the last size is set to ``embedding_dim``.
+        over_arch_layer_sizes: top MLP; the last size must be 1.
+        learning_rate: Adam learning rate of the dense part.
+        sparse_learning_rate: row-wise Adagrad learning rate of the tables.
+        seed: initial table weights.
+
+    Example::
+
+        model = DLRMModule(embedding_dim=16, num_embeddings=100_000)
+        logits = model(batch)           # [B]
+        Trainer(max_steps=100).fit(model, datamodule=CriteoDataModule(...))
+    """
+
+    def __init__(
+        self,
+        sparse_feature_names: Sequence[str] = CRITEO_SPARSE_FEATURES,
+        num_dense_features: int = 13,
+        embedding_dim: int = 16,
+        num_embeddings: int = 100_000,
+        dense_arch_layer_sizes: Sequence[int] = (64,),
+        over_arch_layer_sizes: Sequence[int] = (128, 64, 1),
+        learning_rate: float = 1e-3,
+        sparse_learning_rate: float = 0.05,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if not sparse_feature_names:
+            raise ValueError("DLRMModule needs at least one sparse feature")
+        if list(over_arch_layer_sizes)[-1:] != [1]:
+            raise ValueError(f"over_arch_layer_sizes must end in 1 (one logit), got {list(over_arch_layer_sizes)}")
+        if embedding_dim < 1 or num_embeddings < 1:
+            raise ValueError(f"embedding_dim and num_embeddings must be >= 1, got {embedding_dim}, {num_embeddings}")
+        self.save_hyperparameters()
+        tables = [
+            EmbeddingBagConfig(name=f"t_{name}", embedding_dim=embedding_dim,
+                               num_embeddings=num_embeddings, feature_names=[name])
+            for name in sparse_feature_names
+        ]
+        self.embeddings = FusedEmbeddingBagCollection(
+            tables, optimizer=RowWiseAdagrad(lr=sparse_learning_rate), seed=seed)
+        self.dlrm = DLRM(
+            embedding_bag_collection=self.embeddings,
+            dense_in_features=num_dense_features,
+            dense_arch_layer_sizes=[*dense_arch_layer_sizes, embedding_dim],
+            over_arch_layer_sizes=list(over_arch_layer_sizes),
+        )
+        self.val_metrics = _quality_metrics()
+        self.test_metrics = _quality_metrics()
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.dlrm(batch.dense, batch.sparse).squeeze(-1)
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Parameters for Lightning's optimizer: everything but the sparse tables."""
+        sparse = {id(p) for p in self.embeddings.parameters()}
+        return [p for p in self.parameters() if id(p) not in sparse]
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch))
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_metrics)
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_metrics)
+
+    def _evaluate(self, batch: Batch, stage: str, metrics: nn.ModuleDict) -> None:
+        logits = self(batch)
+        labels = batch.labels
+        self.log(f"{stage}/loss", F.binary_cross_entropy_with_logits(logits, labels),
+                 batch_size=len(batch), sync_dist=True)
+        # AUC gets probabilities: torchmetrics would guess per batch whether values are logits.
+        metrics["auc"].update(torch.sigmoid(logits), labels.long())
+        metrics["logloss"].update(logits, labels)
+        metrics["ne"].update(logits, labels)
+        for name, metric in metrics.items():
+            self.log(f"{stage}/{name}", metric, prog_bar=name == "auc")
+
+    def predict_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        return torch.sigmoid(self(batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.dense_parameters(), lr=self.hparams.learning_rate)
+
+
+def _quality_metrics() -> nn.ModuleDict:
+    return nn.ModuleDict({"auc": BinaryAUROC(), "logloss": LogLoss(), "ne": NormalizedEntropy()})

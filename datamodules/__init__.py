@@ -1,0 +1,22 @@
+"""Streaming ad-log DataModules (installed as ``ctr_lightning.datamodules``)."""
+
+from ctr_lightning.datamodules.bad_lines import BadLineError
+from ctr_lightning.datamodules.criteo import CriteoDataModule, CriteoFormat
+from ctr_lightning.datamodules.log_datamodule import LogDataModule
+from ctr_lightning.datamodules.synthetic_datamodule import SyntheticCriteoDataModule
+from ctr_lightning.datamodules.synthetic_criteo import (
+    SyntheticCriteo,
+    SyntheticCriteoSpec,
+    write_synthetic_criteo,
+)
+
+__all__ = [
+    "BadLineError",
+    "CriteoDataModule",
+    "CriteoFormat",
+    "LogDataModule",
+    "SyntheticCriteo",
+    "SyntheticCriteoDataModule",
+    "SyntheticCriteoSpec",
+    "write_synthetic_criteo",
+]

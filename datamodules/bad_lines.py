@@ -1,0 +1,57 @@
+"""The bad-line policy: skip and count per file, or stop with file:line and the text."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+BadLinePolicy = Literal["skip", "raise"]
+MAX_EXAMPLES = 5
+
+
+class BadLineError(ValueError):
+    """A malformed record in an ad log, with the file, line and text that caused it."""
+
+    def __init__(self, path: str, line: int | None, reason: str, text: bytes | str | None = None) -> None:
+        where = f"{path}:{line}" if line is not None else path
+        shown = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
+        message = f"{where}: {reason}"
+        if shown is not None:
+            message += f": {shown[:200]!r}"
+        super().__init__(message)
+        self.path, self.line, self.reason, self.text = path, line, reason, shown
+
+
+@dataclass
+class BadLineLog:
+    """Counts of skipped lines per file, and the first few examples, for one reader.
+
+    Example::
+
+        log = BadLineLog()
+        log.record("day_0.tsv", 17, "invalid hex in C3", b"0\\t...")
+        log.counts   # Counter({'day_0.tsv': 1})
+    """
+
+    counts: Counter[str] = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+
+    def record(self, path: str, line: int | None, reason: str, text: bytes | str | None = None) -> None:
+        self.counts[path] += 1
+        if len(self.examples) < MAX_EXAMPLES:
+            self.examples.append(str(BadLineError(path, line, reason, text)))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def summarise(self, who: str) -> None:
+        if not self.counts:
+            return
+        per_file = ", ".join(f"{p}: {n}" for p, n in sorted(self.counts.items()))
+        log.warning("%s skipped %d bad lines (%s); first: %s", who, self.total, per_file,
+                    "; ".join(self.examples))

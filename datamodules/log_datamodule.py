@@ -1,0 +1,98 @@
+"""The LightningDataModule shared by every ad-log format."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+from ctr_lightning.datamodules.bad_lines import BadLinePolicy
+from ctr_lightning.datamodules.sources import expand_paths
+from ctr_lightning.datamodules.stream import LogFormat, LogStreamDataset
+
+_STAGES = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
+
+
+class LogDataModule(pl.LightningDataModule):
+    """Train/val/test/predict streams of one log format, split by file.
+
+    Subclasses pick the format and expose its arguments to the CLI.
+
+    Example::
+
+        class MyLogs(LogDataModule):
+            def __init__(self, train_paths, batch_size=4096):
+                super().__init__(MyFormat(), train_paths=train_paths, batch_size=batch_size)
+    """
+
+    def __init__(
+        self,
+        log_format: LogFormat,
+        train_paths: Sequence[str] | str | None = None,
+        val_paths: Sequence[str] | str | None = None,
+        test_paths: Sequence[str] | str | None = None,
+        predict_paths: Sequence[str] | str | None = None,
+        batch_size: int = 4096,
+        num_workers: int = 0,
+        bad_lines: BadLinePolicy = "skip",
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        if bad_lines not in ("skip", "raise"):
+            raise ValueError(f"bad_lines must be 'skip' or 'raise', got {bad_lines!r}")
+        self.save_hyperparameters(ignore=["log_format"])
+        self.format = log_format
+        self.paths = {"train": train_paths, "val": val_paths, "test": test_paths, "predict": predict_paths}
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.bad_lines = bad_lines
+        self.files: dict[str, list[str]] = {}
+
+    @property
+    def sparse_feature_names(self) -> list[str]:
+        return list(self.format.sparse_feature_names)
+
+    @property
+    def num_dense_features(self) -> int:
+        return self.format.num_dense_features
+
+    def setup(self, stage: str) -> None:
+        for split in _STAGES[stage]:
+            paths = self.paths[split]
+            if paths is None or len(paths) == 0:
+                if split == "val":
+                    continue  # fitting without validation is allowed
+                raise ValueError(f"{type(self).__name__}: stage {stage!r} needs {split}_paths")
+            self.files[split] = expand_paths(paths, what=f"{split}_paths")
+
+    def _dataloader(self, split: str) -> DataLoader:
+        if split not in self.files:
+            self.setup({"train": "fit", "val": "validate"}.get(split, split))
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        dataset = LogStreamDataset(
+            self.files[split], self.format, batch_size=self.batch_size, rank=rank,
+            world_size=world, bad_lines=self.bad_lines,
+        )
+        return DataLoader(
+            dataset,
+            batch_size=None,  # the dataset yields whole batches, built in the workers
+            num_workers=self.num_workers,
+            persistent_workers=False,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._dataloader("train")
+
+    def val_dataloader(self) -> DataLoader | list:
+        return self._dataloader("val") if self.paths["val"] else []
+
+    def test_dataloader(self) -> DataLoader:
+        return self._dataloader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._dataloader("predict")

@@ -1,0 +1,145 @@
+"""Finding log files and cutting them into exact, disjoint shards for (rank, worker) readers."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import fsspec
+from fsspec.core import url_to_fs
+from fsspec.utils import infer_compression
+
+_GLOB_CHARS = set("*?[")
+
+
+def expand_paths(paths: str | Sequence[str], what: str = "data") -> list[str]:
+    """Resolve files, directories and globs (local or any fsspec URL), sorted by name.
+
+    Sorting by name makes a log partitioned by day or hour stream in time order.
+    Raises ``FileNotFoundError`` naming the first path that matches nothing.
+    """
+    if isinstance(paths, str):
+        paths = [paths]
+    if not paths:
+        raise ValueError(f"no {what} paths given")
+    found: list[str] = []
+    for path in paths:
+        fs, root = url_to_fs(str(path))
+        if _GLOB_CHARS & set(root):
+            matches = [m for m in fs.glob(root) if fs.isfile(m)]
+        elif fs.isdir(root):
+            matches = [m for m in fs.find(root) if not m.rsplit("/", 1)[-1].startswith(".")]
+        elif fs.isfile(root):
+            matches = [root]
+        else:
+            matches = []
+        if not matches:
+            raise FileNotFoundError(f"{what} path {path!r} matches no file")
+        found.extend(sorted(fs.unstrip_protocol(m) if "://" in str(path) else m for m in matches))
+    return found
+
+
+@dataclass(frozen=True)
+class FileSlice:
+    """The part of one file that one shard reads.
+
+    Uncompressed files are cut into byte ranges; a line belongs to the range holding
+    its first byte. Compressed files cannot be seeked, so every shard decodes the whole
+    file and keeps record batches ``stripe, stripe + stripes, ...``.
+    """
+
+    path: str
+    start: int = 0
+    end: int | None = None
+    stripe: int = 0
+    stripes: int = 1
+
+    @property
+    def compressed(self) -> bool:
+        return infer_compression(self.path) is not None
+
+    def open(self) -> io.RawIOBase | io.BufferedIOBase:
+        if self.compressed:
+            return fsspec.open(self.path, "rb", compression="infer").open()
+        return _LineRange(fsspec.open(self.path, "rb").open(), self.start, self.end)
+
+
+def plan_slices(paths: Sequence[str], shard: int, num_shards: int) -> list[FileSlice]:
+    """The slices of ``paths`` that shard ``shard`` of ``num_shards`` reads, in file order."""
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard {shard} outside [0, {num_shards})")
+    slices = []
+    for path in paths:
+        if infer_compression(path) is not None:
+            slices.append(FileSlice(path, stripe=shard, stripes=num_shards))
+            continue
+        fs, root = url_to_fs(path)
+        size = fs.size(root)
+        start, end = size * shard // num_shards, size * (shard + 1) // num_shards
+        if end > start:
+            slices.append(FileSlice(path, start, end))
+    return slices
+
+
+def line_boundary(f: io.IOBase, offset: int) -> int:
+    """The first line start at or after byte ``offset`` of a seekable file."""
+    if offset == 0:
+        return 0
+    f.seek(offset - 1)
+    f.readline()
+    return f.tell()
+
+
+class _LineRange(io.RawIOBase):
+    """A read-only view of the lines whose first byte lies in ``[start, end)``."""
+
+    def __init__(self, raw: io.BufferedIOBase, start: int, end: int | None) -> None:
+        self._raw = raw
+        self.line_start = line_boundary(raw, start)
+        self.line_end = line_boundary(raw, end) if end is not None else None
+        raw.seek(self.line_start)
+        self._pos = self.line_start
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        want = len(buffer)
+        if self.line_end is not None:
+            want = min(want, self.line_end - self._pos)
+        if want <= 0:
+            return 0
+        data = self._raw.read(want)
+        buffer[: len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def iter_lines(fslice: FileSlice) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number in the file, line without newline) for every line of a slice.
+
+    Only used to name the line of a bad record, so its cost is paid on errors alone.
+    """
+    with fsspec.open(fslice.path, "rb", compression="infer") as f:
+        line_no, start, end = 0, 0, None
+        if not fslice.compressed:
+            start = line_boundary(f, fslice.start)
+            end = None if fslice.end is None else line_boundary(f, fslice.end)
+            f.seek(0)
+            remaining = start
+            while remaining:
+                chunk = f.read(min(remaining, 1 << 20))
+                line_no += chunk.count(b"\n")
+                remaining -= len(chunk)
+        pos = start
+        for line in f:
+            if end is not None and pos >= end:
+                return
+            pos += len(line)
+            line_no += 1
+            yield line_no, line.rstrip(b"\r\n")

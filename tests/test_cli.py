@@ -1,0 +1,71 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI = [sys.executable, "-m", "ctr_lightning.cli"]
+
+
+def run_cli(*args, cwd=ROOT):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_tiny_fit_logs_to_tensorboard_and_checkpoints(tmp_path):
+    result = run_cli(
+        "fit", "--config", "configs/demo.yaml",
+        "--data.data_dir", str(tmp_path / "data"), "--data.train_rows", "4000", "--data.val_rows", "1000",
+        "--data.batch_size", "128", "--model.embedding_dim", "8", "--model.num_embeddings", "5000",
+        "--trainer.max_epochs", "2", "--trainer.max_steps", "40", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+        "--trainer.enable_progress_bar", "false",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    log_dir = tmp_path / "runs" / "demo" / "version_0"
+    out = result.stdout + result.stderr
+    assert f"tensorboard --logdir {tmp_path / 'runs'}" in out
+    assert str(log_dir / "checkpoints" / "last.ckpt") in out
+    assert (log_dir / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "data" / "seed0-card100000-zipf1.1" / "train-4000.tsv").is_file()
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("train/loss", "train/examples_per_sec", "val/loss", "val/auc", "val/logloss", "val/ne"):
+        assert tag in tags, sorted(tags)
+    hparams = yaml.safe_load((log_dir / "hparams.yaml").read_text())
+    assert hparams["embedding_dim"] == 8 and hparams["train_rows"] == 4000 and hparams["batch_size"] == 128
+    # One whole epoch (32 steps, then validation), then max_steps stops epoch two early.
+    assert events.Scalars("val/auc")[0].step == 31
+    assert events.Scalars("train/loss")[-1].step < 40
+
+
+def test_help_lists_the_overrides():
+    result = run_cli("fit", "--help")
+    assert result.returncode == 0
+    for flag in ("--trainer.max_steps", "--model.embedding_dim", "--model.learning_rate", "--data.batch_size",
+                 "--data.train_paths", "--data.train_rows"):
+        assert flag in result.stdout
+
+
+def test_unknown_config_key_fails_naming_it(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("model:\n  embeding_dim: 8\n")
+    result = run_cli("fit", "--config", "configs/demo.yaml", "--config", str(config))
+    assert result.returncode != 0
+    assert "embeding_dim" in result.stderr
+
+
+def test_missing_data_path_fails_naming_it(tmp_path):
+    missing = tmp_path / "no_such_day.tsv"
+    result = run_cli(
+        "fit", "--config", "configs/demo.yaml",
+        "--data", "ctr_lightning.datamodules.CriteoDataModule", "--data.train_paths", f"[{missing}]",
+        "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+    )
+    assert result.returncode != 0
+    assert f"train_paths path '{missing}' matches no file" in result.stderr
