@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from ctr_lightning.datamodules.hashing import feature_ids
+from ctr_lightning.hashing import feature_ids
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
 from ctr_lightning.datamodules.sources import FileSlice
 from ctr_lightning.datamodules.stream import DecodedRows

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from ctr_lightning.datamodules.hashing import mix32, splitmix64, unit_variance, uniform01
+from ctr_lightning.hashing import mix32, splitmix64, unit_variance, uniform01
 
 # Distinct values per feature in the Criteo Kaggle (Display Advertising Challenge) train set.
 CRITEO_KAGGLE_CARDINALITIES: tuple[int, ...] = (

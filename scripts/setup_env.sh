@@ -40,6 +40,7 @@ fi
   || fail "could not install $FBGEMM_PKG==$FBGEMM_VERSION to match torch $TORCH_VERSION"
 
 # torchrec's metadata pins the CUDA fbgemm and an old torchmetrics: install it bare, then its light deps.
+# pip then reports that conflict ("torchrec 1.8.0 requires fbgemm-gpu ..."); it is expected and harmless.
 "${PIP[@]}" --no-deps "torchrec==$TORCHREC_VERSION" || fail "could not install torchrec==$TORCHREC_VERSION"
 "${PIP[@]}" -e ".[test]" "torch==$TORCH_VERSION" || fail "could not install ctr-lightning and its dependencies"
 

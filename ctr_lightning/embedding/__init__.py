@@ -1,6 +1,8 @@
 """Sparse embedding collections and their fused row-wise optimizers."""
 
 from ctr_lightning.embedding.fused import FusedEmbeddingBagCollection
+from ctr_lightning.embedding.storage_config import StorageConfig, plan_storage
+from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
 from ctr_lightning.embedding.optimizers import (
     RowWiseAdagrad,
     SparseAdagrad,
@@ -16,4 +18,7 @@ __all__ = [
     "SparseAdam",
     "SparseOptimizer",
     "SparseSGD",
+    "StorageConfig",
+    "TieredEmbeddingBagCollection",
+    "plan_storage",
 ]

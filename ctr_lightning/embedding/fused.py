@@ -16,6 +16,7 @@ from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from ctr_lightning.embedding.table_checks import align_features, check_tables
 from ctr_lightning.embedding.optimizers import (
     RowWiseAdagrad,
     SparseAdagrad,
@@ -80,24 +81,17 @@ class FusedEmbeddingBagCollection(nn.Module):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if not tables:
-            raise ValueError("FusedEmbeddingBagCollection needs at least one table")
+        self._feature_names = check_tables(tables, type(self).__name__)
         poolings = {t.pooling for t in tables}
         if len(poolings) != 1 or next(iter(poolings)) not in _POOLING:
             raise ValueError(
                 f"FusedEmbeddingBagCollection: all tables must share SUM or MEAN pooling, got "
                 + ", ".join(f"{t.name}={t.pooling.name}" for t in tables)
             )
-        names = [t.name for t in tables]
-        if len(set(names)) != len(names):
-            raise ValueError(f"FusedEmbeddingBagCollection: duplicate table names in {names}")
         device = torch.device(device or "cpu")
         on_cuda = device.type == "cuda"
         self._tables = list(tables)
         self._is_weighted = is_weighted
-        self._feature_names = [f for t in tables for f in t.feature_names]
-        if len(set(self._feature_names)) != len(self._feature_names):
-            raise ValueError(f"FusedEmbeddingBagCollection: a feature feeds two tables: {self._feature_names}")
         self._feature_table = {f: i for i, t in enumerate(tables) for f in t.feature_names}
         self._dims = [tables[self._feature_table[f]].embedding_dim for f in self._feature_names]
         self.register_buffer(
@@ -137,15 +131,7 @@ class FusedEmbeddingBagCollection(nn.Module):
         return self._feature_rows.device
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        if features.keys() != self._feature_names:
-            missing = sorted(set(self._feature_names) - set(features.keys()))
-            if missing:
-                raise KeyError(
-                    f"FusedEmbeddingBagCollection: KJT lacks features {missing} of tables "
-                    f"{sorted({self._tables[self._feature_table[f]].name for f in missing})}; "
-                    f"it has {features.keys()}"
-                )
-            features = features.permute([features.keys().index(f) for f in self._feature_names])
+        features = align_features(features, self._feature_names, self._tables, type(self).__name__)
         values = features.values().long()
         if values.numel() and bool((values < 0).any()):
             bad = (values < 0).nonzero()[0, 0]

@@ -13,7 +13,7 @@ from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from ctr_lightning.batch import Batch
-from ctr_lightning.embedding import FusedEmbeddingBagCollection, RowWiseAdagrad
+from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
 from ctr_lightning.metrics import LogLoss, NormalizedEntropy
 
 CRITEO_SPARSE_FEATURES = tuple(f"C{i}" for i in range(1, 27))
@@ -30,11 +30,13 @@ class DLRMModule(pl.LightningModule):
         sparse_feature_names: categorical features, one table each (linked from the data by the CLI).
         num_dense_features: continuous features (linked from the data by the CLI).
         embedding_dim: width of every table; also the bottom MLP's output width.
-        num_embeddings: rows per table; hashed ids are folded into this range.
+        num_embeddings: expected rows per table: sets the initial scale and the planner's
+            shares. Any 64-bit id gets its own row.
         dense_arch_layer_sizes: bottom MLP; the last size is set to ``embedding_dim``.
         over_arch_layer_sizes: top MLP; the last size must be 1.
         learning_rate: Adam learning rate of the dense part.
-        sparse_learning_rate: row-wise Adagrad learning rate of the tables.
+        sparse_learning_rate: Adam learning rate of the tables (fused into backward).
+        storage: tier capacities and SSD directory of the tables; default all in the device tier.
         seed: initial table weights.
 
     Example::
@@ -53,7 +55,8 @@ class DLRMModule(pl.LightningModule):
         dense_arch_layer_sizes: Sequence[int] = (64,),
         over_arch_layer_sizes: Sequence[int] = (128, 64, 1),
         learning_rate: float = 1e-3,
-        sparse_learning_rate: float = 0.05,
+        sparse_learning_rate: float = 0.01,
+        storage: StorageConfig | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -69,8 +72,8 @@ class DLRMModule(pl.LightningModule):
                                num_embeddings=num_embeddings, feature_names=[name])
             for name in sparse_feature_names
         ]
-        self.embeddings = FusedEmbeddingBagCollection(
-            tables, optimizer=RowWiseAdagrad(lr=sparse_learning_rate), seed=seed)
+        self.embeddings = TieredEmbeddingBagCollection(
+            tables, storage=storage, optimizer=SparseAdam(lr=sparse_learning_rate), seed=seed)
         self.dlrm = DLRM(
             embedding_bag_collection=self.embeddings,
             dense_in_features=num_dense_features,

@@ -1,0 +1,185 @@
+"""A collision-free map from (table, 64-bit feature id) to row slots, for whole batches at once.
+
+Open addressing with linear probing and backward-shift deletion, compiled with numba:
+a batch of lookups is one call, never a Python loop over ids.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+_EMPTY = np.int64(-1)
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+@numba.njit(cache=True, inline="always")
+def _bucket(key: np.int64, tag: np.int64, mask: np.int64) -> np.int64:
+    h = (np.uint64(key) ^ (np.uint64(tag) * np.uint64(0xD6E8FEB86659FD93))) * _MIX
+    return np.int64(h >> np.uint64(20)) & mask
+
+
+@numba.njit(cache=True)
+def _lookup(keys_table, tags_table, slots_table, keys, tags, out):
+    mask = np.int64(len(keys_table) - 1)
+    for i in range(len(keys)):
+        k = keys[i]
+        t = tags[i]
+        b = _bucket(k, t, mask)
+        out[i] = -1
+        while keys_table[b] != -1:
+            if keys_table[b] == k and tags_table[b] == t:
+                out[i] = slots_table[b]
+                break
+            b = (b + 1) & mask
+
+
+@numba.njit(cache=True)
+def _find(keys_table, tags_table, k, t, mask):
+    b = _bucket(k, t, mask)
+    while keys_table[b] != -1 and not (keys_table[b] == k and tags_table[b] == t):
+        b = (b + 1) & mask
+    return b
+
+
+@numba.njit(cache=True)
+def _insert(keys_table, tags_table, slots_table, keys, tags, slots) -> int:
+    """Insert or overwrite; returns how many keys were new."""
+    mask = np.int64(len(keys_table) - 1)
+    added = 0
+    for i in range(len(keys)):
+        b = _find(keys_table, tags_table, keys[i], tags[i], mask)
+        if keys_table[b] == -1:
+            added += 1
+            keys_table[b] = keys[i]
+            tags_table[b] = tags[i]
+        slots_table[b] = slots[i]
+    return added
+
+
+@numba.njit(cache=True)
+def _remove(keys_table, tags_table, slots_table, keys, tags) -> int:
+    mask = np.int64(len(keys_table) - 1)
+    removed = 0
+    for i in range(len(keys)):
+        b = _find(keys_table, tags_table, keys[i], tags[i], mask)
+        if keys_table[b] == -1:
+            continue
+        removed += 1
+        # Backward-shift: pull later entries of the probe run into the hole.
+        hole = b
+        j = (b + 1) & mask
+        while keys_table[j] != -1:
+            home = _bucket(keys_table[j], tags_table[j], mask)
+            if ((j - home) & mask) >= ((j - hole) & mask):
+                keys_table[hole] = keys_table[j]
+                tags_table[hole] = tags_table[j]
+                slots_table[hole] = slots_table[j]
+                hole = j
+            j = (j + 1) & mask
+        keys_table[hole] = -1
+    return removed
+
+
+def _i64(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+class KeyIndex:
+    """Maps (non-negative int64 key, int64 tag) pairs to int64 slots.
+
+    The tag is the table, so one index serves many tables without any id collision.
+    It grows to stay at most half full.
+
+    Example::
+
+        index = KeyIndex()
+        index.insert(np.array([10**12, 7]), np.array([0, 3]), slots=np.array([0, 1]))
+        index.lookup(np.array([7, 7]), np.array([3, 0]))   # array([ 1, -1])
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        size = 1 << max(4, int(2 * capacity - 1).bit_length())
+        self._keys = np.full(size, _EMPTY, dtype=np.int64)
+        self._tags = np.zeros(size, dtype=np.int64)
+        self._slots = np.full(size, _EMPTY, dtype=np.int64)
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    @property
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._tags.nbytes + self._slots.nbytes
+
+    def lookup(self, keys: np.ndarray, tags: np.ndarray) -> np.ndarray:
+        """Slot of each (key, tag), -1 where absent."""
+        out = np.empty(len(keys), dtype=np.int64)
+        _lookup(self._keys, self._tags, self._slots, _i64(keys), _i64(tags), out)
+        return out
+
+    def insert(self, keys: np.ndarray, tags: np.ndarray, slots: np.ndarray) -> None:
+        keys = _i64(keys)
+        if len(keys) and keys.min() < 0:
+            raise ValueError(f"KeyIndex keys must be non-negative, got {int(keys.min())}")
+        self._reserve(self._count + len(keys))
+        self._count += _insert(self._keys, self._tags, self._slots, keys, _i64(tags), _i64(slots))
+
+    def remove(self, keys: np.ndarray, tags: np.ndarray) -> None:
+        self._count -= _remove(self._keys, self._tags, self._slots, _i64(keys), _i64(tags))
+
+    def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """All (keys, tags, slots), in no particular order."""
+        used = self._keys != _EMPTY
+        return self._keys[used].copy(), self._tags[used].copy(), self._slots[used].copy()
+
+    def clear(self) -> None:
+        self._keys.fill(_EMPTY)
+        self._count = 0
+
+    def _reserve(self, count: int) -> None:
+        if 2 * count <= len(self._keys):
+            return
+        keys, tags, slots = self.items()
+        size = len(self._keys)
+        while 2 * count > size:
+            size *= 2
+        self._keys = np.full(size, _EMPTY, dtype=np.int64)
+        self._tags = np.zeros(size, dtype=np.int64)
+        self._slots = np.full(size, _EMPTY, dtype=np.int64)
+        self._count = _insert(self._keys, self._tags, self._slots, keys, tags, slots)
+
+
+@numba.njit(cache=True)
+def _dedup(keys, tags, first, inverse) -> int:
+    n = len(keys)
+    size = 16
+    while size < 2 * n:
+        size *= 2
+    mask = np.int64(size - 1)
+    table_keys = np.full(size, -1, dtype=np.int64)
+    table_tags = np.zeros(size, dtype=np.int64)
+    table_pos = np.empty(size, dtype=np.int64)
+    unique = 0
+    for i in range(n):
+        b = _find(table_keys, table_tags, keys[i], tags[i], mask)
+        if table_keys[b] == -1:
+            table_keys[b] = keys[i]
+            table_tags[b] = tags[i]
+            table_pos[b] = unique
+            first[unique] = i
+            unique += 1
+        inverse[i] = table_pos[b]
+    return unique
+
+
+def dedup(keys: np.ndarray, tags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique (key, tag) pairs in order of first appearance: ``(first_index, inverse)``.
+
+    ``keys[first]`` are the unique keys and ``keys[first][inverse] == keys``.
+    """
+    n = len(keys)
+    first = np.empty(n, dtype=np.int64)
+    inverse = np.empty(n, dtype=np.int64)
+    unique = _dedup(_i64(keys), _i64(tags), first, inverse)
+    return first[:unique], inverse

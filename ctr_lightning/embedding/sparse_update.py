@@ -1,0 +1,58 @@
+"""Sparse optimizer steps on the rows one batch touched, with the state stored beside each row."""
+
+from __future__ import annotations
+
+import torch
+
+from ctr_lightning.embedding.optimizers import RowWiseAdagrad, SparseAdagrad, SparseAdam, SparseOptimizer, SparseSGD
+
+
+def state_width(optimizer: SparseOptimizer, dim: int) -> int:
+    """Floats of optimizer state stored after the ``dim`` weights of each row."""
+    if isinstance(optimizer, RowWiseAdagrad):
+        return 1
+    if isinstance(optimizer, SparseAdagrad):
+        return dim
+    if isinstance(optimizer, SparseAdam):
+        return 2 * dim
+    if isinstance(optimizer, SparseSGD):
+        return 0
+    raise TypeError(f"unknown sparse optimizer config {optimizer!r}")
+
+
+def apply_update(optimizer: SparseOptimizer, rows: torch.Tensor, grad: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """The updated ``[n, dim + state]`` rows, given their ``[n, dim]`` gradient.
+
+    ``step`` is each row's table step count after this step (for Adam's bias correction,
+    as in ``torch.optim.SparseAdam``, where the count is per table, not per row).
+    """
+    dim = grad.shape[1]
+    w = rows[:, :dim]
+    out = rows.clone()
+    if isinstance(optimizer, RowWiseAdagrad):
+        acc = rows[:, dim] + grad.pow(2).mean(1)
+        out[:, dim] = acc
+        out[:, :dim] = w - optimizer.lr * grad / (acc.sqrt() + optimizer.eps).unsqueeze(1)
+    elif isinstance(optimizer, SparseAdagrad):
+        acc = rows[:, dim:] + grad.pow(2)
+        out[:, dim:] = acc
+        out[:, :dim] = w - optimizer.lr * grad / (acc.sqrt() + optimizer.eps)
+    elif isinstance(optimizer, SparseAdam):
+        beta1, beta2 = optimizer.betas
+        m = rows[:, dim : 2 * dim]
+        v = rows[:, 2 * dim :]
+        # The operation order of torch.optim.SparseAdam, so results agree to the last bits.
+        m_new = m + (grad - m) * (1 - beta1)
+        v_new = v + (grad.pow(2) - v) * (1 - beta2)
+        step = step.to(grad.dtype).unsqueeze(1)
+        bias1 = 1 - beta1**step
+        bias2 = 1 - beta2**step
+        step_size = optimizer.lr * bias2.sqrt() / bias1
+        out[:, dim : 2 * dim] = m_new
+        out[:, 2 * dim :] = v_new
+        out[:, :dim] = w - step_size * (m_new / (v_new.sqrt() + optimizer.eps))
+    elif isinstance(optimizer, SparseSGD):
+        out[:, :dim] = w - optimizer.lr * grad
+    else:
+        raise TypeError(f"unknown sparse optimizer config {optimizer!r}")
+    return out

@@ -1,0 +1,87 @@
+"""Where a table's rows live: capacities of the device and host tiers, the SSD directory."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+Eviction = Literal["lru", "lfu"]
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Tier capacities of one table (or of every table, when given once).
+
+    Each capacity may be given in rows, in bytes, or both (the smaller wins); ``None``
+    means the tier holds every row it is given. A bounded host tier needs ``ssd_dir``,
+    where the rows that do not fit are kept in files.
+
+    Args:
+        device_rows / device_bytes: the tier the compute reads (GPU memory, or DRAM on CPU).
+        host_rows / host_bytes: the DRAM cache below it.
+        ssd_dir: directory for the SSD tier's files.
+        eviction: ``"lru"`` or ``"lfu"``, for both caches.
+
+    Example::
+
+        StorageConfig(device_rows=100_000, host_bytes=2 << 30, ssd_dir="/nvme/run1", eviction="lru")
+    """
+
+    device_rows: int | None = None
+    device_bytes: int | None = None
+    host_rows: int | None = None
+    host_bytes: int | None = None
+    ssd_dir: str | None = None
+    eviction: Eviction = "lru"
+
+    def __post_init__(self) -> None:
+        for name in ("device_rows", "device_bytes", "host_rows", "host_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"StorageConfig.{name} must be >= 1 or None, got {value}")
+        if self.eviction not in ("lru", "lfu"):
+            raise ValueError(f"StorageConfig.eviction must be 'lru' or 'lfu', got {self.eviction!r}")
+
+    def device_capacity(self, row_bytes: int) -> int | None:
+        return _capacity(self.device_rows, self.device_bytes, row_bytes)
+
+    def host_capacity(self, row_bytes: int) -> int | None:
+        return _capacity(self.host_rows, self.host_bytes, row_bytes)
+
+
+def _capacity(rows: int | None, nbytes: int | None, row_bytes: int) -> int | None:
+    limits = [x for x in (rows, None if nbytes is None else nbytes // row_bytes) if x is not None]
+    return min(limits) if limits else None
+
+
+def plan_storage(
+    tables: Sequence[EmbeddingBagConfig],
+    device_bytes: int | None = None,
+    host_bytes: int | None = None,
+    ssd_dir: str | None = None,
+    eviction: Eviction = "lru",
+) -> dict[str, StorageConfig]:
+    """Split per-tier byte budgets over tables in proportion to their sizes.
+
+    A table's size is ``num_embeddings * embedding_dim``; a table never gets more than
+    it can use.
+
+    Example::
+
+        storage = plan_storage(tables, device_bytes=1 << 30, host_bytes=8 << 30, ssd_dir="/nvme/run1")
+        TieredEmbeddingBagCollection(tables, storage=storage)
+    """
+    sizes = [t.num_embeddings * t.embedding_dim for t in tables]
+    total = sum(sizes)
+
+    def share(budget: int | None, size: int) -> int | None:
+        return None if budget is None else max(1, budget * size // total)
+
+    return {
+        t.name: StorageConfig(device_bytes=share(device_bytes, s), host_bytes=share(host_bytes, s),
+                              ssd_dir=ssd_dir, eviction=eviction)
+        for t, s in zip(tables, sizes)
+    }

@@ -1,0 +1,232 @@
+"""Tables that share one set of tiers: same dim, pooling and SSD directory."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+from ctr_lightning.embedding.initializer import initial_rows
+from ctr_lightning.embedding.key_index import dedup
+from ctr_lightning.embedding.optimizers import SparseOptimizer
+from ctr_lightning.embedding.row_cache import RowCache, Rows
+from ctr_lightning.embedding.sparse_update import apply_update, state_width
+from ctr_lightning.embedding.ssd import SsdStore
+from ctr_lightning.embedding.storage_config import StorageConfig
+
+
+class TableGroup:
+    """The tiers of a few tables and the per-step work on them: dedup, fetch, pool, update.
+
+    Rows are ``[weights | optimizer state]`` in every tier. The device tier is the one
+    the compute reads; misses come from the host tier, then the SSD tier, then the
+    counter-based initializer. Evicted dirty rows go one tier down; clean ones are
+    dropped, since the tier below (or the initializer) already has them.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        tables: list[EmbeddingBagConfig],
+        storage: list[StorageConfig],
+        bounded_ids: list[bool],
+        optimizer: SparseOptimizer,
+        device: torch.device,
+        seed: int,
+        global_index: list[int],
+    ) -> None:
+        self.name = name
+        self.tables = tables
+        self.names = [t.name for t in tables]
+        self.dim = tables[0].embedding_dim
+        self.mode = "mean" if tables[0].pooling == PoolingType.MEAN else "sum"
+        self.optimizer = optimizer
+        self.width = self.dim + state_width(optimizer, self.dim)
+        self.seed = seed
+        self.global_index = np.array(global_index, dtype=np.int64)  # seeds rows by collection index
+        row_bytes = self.width * 4
+        self.num_embeddings = np.array([t.num_embeddings for t in tables], dtype=np.int64)
+        self.bounded = np.array(bounded_ids, dtype=bool)
+        self.bounds = np.array([math.sqrt(1.0 / t.num_embeddings) for t in tables])
+        self.steps = np.zeros(len(tables), dtype=np.int64)
+        lfu = [s.eviction == "lfu" for s in storage]
+        device_caps = [s.device_capacity(row_bytes) for s in storage]
+        host_caps = [s.host_capacity(row_bytes) for s in storage]
+        ssd_dir = storage[0].ssd_dir
+        for t, dev, host in zip(self.names, device_caps, host_caps):
+            if host is not None and ssd_dir is None:
+                raise ValueError(f"table {t!r}: a bounded host tier needs StorageConfig.ssd_dir for the rest")
+            if dev is not None and host is not None and ssd_dir is None:
+                raise ValueError(f"table {t!r}: bounded device and host tiers need an SSD tier")
+        self.device_tier = RowCache(self.width, device_caps, lfu, device)
+        needs_host = any(c is not None for c in device_caps)
+        self.host_tier = RowCache(self.width, host_caps, lfu, "cpu") if needs_host else None
+        self.ssd = SsdStore(ssd_dir, name, self.width, self.names) if ssd_dir is not None else None
+        self._pinned: list[np.ndarray] = []
+        self.stats = {"device_hits": 0, "host_hits": 0, "ssd_hits": 0, "new_rows": 0}
+
+    # -- forward -------------------------------------------------------------------------
+
+    def validate(self, tables: np.ndarray, ids: np.ndarray) -> None:
+        bad = ids < 0
+        bad |= self.bounded[tables] & (ids >= self.num_embeddings[tables])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            t = int(tables[i])
+            why = "negative" if ids[i] < 0 else f"outside [0, {int(self.num_embeddings[t])})"
+            raise ValueError(f"table {self.names[t]!r}: id {int(ids[i])} is {why}")
+
+    def lookup(
+        self, ids: np.ndarray, tables: np.ndarray, offsets: torch.Tensor, weights: torch.Tensor | None, train: bool
+    ) -> torch.Tensor:
+        """Pooled ``[bags, dim]`` embeddings; with ``train``, the rows update in backward."""
+        self.validate(tables, ids)
+        first, inverse = dedup(ids, tables)
+        u_tables, u_ids = tables[first], ids[first]
+        slots = self.device_tier.lookup(u_tables, u_ids)
+        miss = slots < 0
+        self.stats["device_hits"] += int((~miss).sum())
+        if miss.any():
+            slots[miss] = self._fetch(u_tables[miss], u_ids[miss], pinned=slots[~miss])
+        self.device_tier.touch(slots)
+        device = self.device_tier.device
+        slot_index = torch.from_numpy(slots).to(device)
+        gathered = self.device_tier.values[:, : self.dim].index_select(0, slot_index)
+        if train:
+            gathered.requires_grad_(True)
+            self._pinned.append(slots)
+            gathered.register_hook(lambda grad: self._update(slots, u_tables, grad))
+        return F.embedding_bag(
+            torch.from_numpy(inverse).to(device), gathered, offsets.to(device), mode=self.mode,
+            per_sample_weights=None if weights is None else weights.to(device, torch.float32),
+            include_last_offset=True,
+        )
+
+    def _fetch(self, tables: np.ndarray, ids: np.ndarray, pinned: np.ndarray) -> np.ndarray:
+        rows = torch.empty(len(ids), self.width)
+        filled = np.zeros(len(ids), dtype=bool)
+        if self.host_tier is not None:
+            hslots = self.host_tier.lookup(tables, ids)
+            hit = hslots >= 0
+            if hit.any():
+                rows[torch.from_numpy(np.flatnonzero(hit))] = self.host_tier.values[torch.from_numpy(hslots[hit])]
+                filled |= hit
+                self.stats["host_hits"] += int(hit.sum())
+        if self.ssd is not None and not filled.all():
+            rest = np.flatnonzero(~filled)
+            found, data, _ = self.ssd.read(tables[rest], ids[rest])
+            if found.any():
+                rows[torch.from_numpy(rest[found])] = torch.from_numpy(data)
+                filled[rest[found]] = True
+                self.stats["ssd_hits"] += int(found.sum())
+        if not filled.all():
+            new = np.flatnonzero(~filled)
+            rows[torch.from_numpy(new)] = 0.0
+            rows[torch.from_numpy(new), : self.dim] = torch.from_numpy(self._initial(tables[new], ids[new]))
+            self.stats["new_rows"] += len(new)
+        need = self.device_tier.room_needed(tables)
+        pinned_all = np.concatenate([pinned, *self._pinned]) if self._pinned else pinned
+        victim_slots, victims = self.device_tier.choose_victims(need, pinned_all, self.names)
+        self._demote(victims.select(victims.dirty))
+        self.device_tier.release(victim_slots)
+        return self.device_tier.insert(Rows(tables, ids, rows, np.zeros(len(ids), dtype=bool)))
+
+    def _initial(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return initial_rows(self.seed, self.global_index[tables], ids, self.dim, self.bounds[tables])
+
+    def _demote(self, rows: Rows) -> None:
+        """Write dirty rows leaving the device tier into the host tier (or the SSD)."""
+        if not len(rows):
+            return
+        if self.host_tier is None:
+            self._write_ssd(rows)
+            return
+        need = self.host_tier.room_needed(rows.tables)
+        victim_slots, victims = self.host_tier.choose_victims(need, np.empty(0, dtype=np.int64), self.names)
+        self._write_ssd(victims.select(victims.dirty))
+        self.host_tier.release(victim_slots)
+        self.host_tier.insert(Rows(rows.tables, rows.ids, rows.values.cpu(), np.ones(len(rows), dtype=bool)))
+
+    def _write_ssd(self, rows: Rows) -> None:
+        if not len(rows):
+            return
+        if self.ssd is None:
+            raise RuntimeError(f"tables {self.names}: rows must leave memory but no SSD tier is configured")
+        self.ssd.write(rows.tables, rows.ids, rows.values.cpu().numpy())
+
+    # -- backward ------------------------------------------------------------------------
+
+    def _update(self, slots: np.ndarray, tables: np.ndarray, grad: torch.Tensor) -> None:
+        # Every table in the batch counts a step, as torch.optim.SparseAdam counts per parameter.
+        self.steps += 1
+        index = torch.from_numpy(slots).to(grad.device)
+        rows = self.device_tier.values.index_select(0, index)
+        step = torch.from_numpy(self.steps[tables]).to(grad.device)
+        self.device_tier.values.index_copy_(0, index, apply_update(self.optimizer, rows, grad, step))
+        self.device_tier.dirty[slots] = True
+        self._pinned = [p for p in self._pinned if p is not slots]
+
+    # -- reads without side effects, and checkpoints --------------------------------------
+
+    def rows(self, table: int, ids: np.ndarray) -> torch.Tensor:
+        tables = np.full(len(ids), table, dtype=np.int64)
+        self.validate(tables, ids)
+        out = torch.from_numpy(self._initial(tables, ids))
+        todo = np.ones(len(ids), dtype=bool)
+        for tier in (self.device_tier, self.host_tier):
+            if tier is None:
+                continue
+            slots = tier.lookup(tables, ids)
+            hit = todo & (slots >= 0)
+            if hit.any():
+                out[torch.from_numpy(np.flatnonzero(hit))] = (
+                    tier.values[torch.from_numpy(slots[hit]).to(tier.device), : self.dim].cpu())
+                todo &= ~hit
+        if self.ssd is not None and todo.any():
+            rest = np.flatnonzero(todo)
+            found, data, _ = self.ssd.read(tables[rest], ids[rest])
+            out[torch.from_numpy(rest[found])] = torch.from_numpy(data[:, : self.dim])
+        return out
+
+    def export(self) -> dict[str, torch.Tensor | list[str]]:
+        """Every stored row, freshest copy first: device (dirty) over host over SSD."""
+        parts: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
+        device_rows = self.device_tier.entries()
+        if self.host_tier is None and self.ssd is None:
+            parts.append((device_rows.tables, device_rows.ids, device_rows.values.cpu()))
+        else:
+            dirty = device_rows.select(device_rows.dirty)
+            parts.append((dirty.tables, dirty.ids, dirty.values.cpu()))
+        if self.host_tier is not None:
+            host = self.host_tier.entries()
+            parts.append((host.tables, host.ids, host.values))
+        if self.ssd is not None:
+            tables, ids, data = self.ssd.entries()
+            parts.append((tables, ids, torch.from_numpy(data)))
+        tables = np.concatenate([p[0] for p in parts])
+        ids = np.concatenate([p[1] for p in parts])
+        first, _ = dedup(ids, tables)  # first occurrence = freshest tier
+        values = torch.cat([p[2] for p in parts])[torch.from_numpy(first)]
+        return {"tables": list(self.names), "table": torch.from_numpy(tables[first]),
+                "id": torch.from_numpy(ids[first]), "rows": values, "steps": torch.from_numpy(self.steps.copy())}
+
+    def load(self, state: dict) -> None:
+        if list(state["tables"]) != self.names or state["rows"].shape[1] != self.width:
+            raise ValueError(f"checkpoint holds tables {state['tables']} of width {state['rows'].shape[1]}, "
+                             f"this collection has {self.names} of width {self.width}")
+        self.device_tier.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
+        if self.ssd is not None:
+            self.ssd.clear()
+        self.steps = state["steps"].numpy().copy()
+        rows = Rows(state["table"].numpy(), state["id"].numpy(), state["rows"], np.ones(len(state["id"]), dtype=bool))
+        if self.ssd is not None:
+            self._write_ssd(rows)
+        elif self.host_tier is not None:
+            self.host_tier.insert(rows)
+        else:
+            self.device_tier.insert(rows)

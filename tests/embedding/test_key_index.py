@@ -1,0 +1,32 @@
+import numpy as np
+
+from ctr_lightning.embedding.key_index import KeyIndex
+
+
+def test_matches_a_dict_under_random_inserts_and_removes():
+    rng = np.random.default_rng(0)
+    index, ref = KeyIndex(capacity=16), {}
+    for _ in range(300):
+        keys = rng.integers(0, 3000, 200)
+        tags = rng.integers(0, 3, 200)
+        slots = rng.integers(0, 10**6, 200)
+        index.insert(keys, tags, slots)
+        ref.update(zip(zip(keys.tolist(), tags.tolist()), slots.tolist()))
+        rk, rt = rng.integers(0, 3000, 80), rng.integers(0, 3, 80)
+        index.remove(rk, rt)
+        for k in zip(rk.tolist(), rt.tolist()):
+            ref.pop(k, None)
+        qk, qt = rng.integers(0, 3500, 400), rng.integers(0, 3, 400)
+        want = [ref.get(k, -1) for k in zip(qk.tolist(), qt.tolist())]
+        assert index.lookup(qk, qt).tolist() == want
+        assert len(index) == len(ref)
+    keys, tags, slots = index.items()
+    assert dict(zip(zip(keys.tolist(), tags.tolist()), slots.tolist())) == ref
+
+
+def test_full_64_bit_ids_do_not_collide_across_tables():
+    ids = np.array([2**62 + 5, 2**62 + 5, 7], dtype=np.int64)
+    index = KeyIndex()
+    index.insert(ids, np.array([0, 1, 0]), np.array([10, 11, 12]))
+    assert index.lookup(ids, np.array([0, 1, 0])).tolist() == [10, 11, 12]
+    assert index.lookup(ids, np.array([2, 2, 1])).tolist() == [-1, -1, -1]
