@@ -95,15 +95,16 @@ class TableGroup:
         device = self.device_tier.device
         slot_index = torch.from_numpy(slots).to(device)
         gathered = self.device_tier.values[:, : self.dim].index_select(0, slot_index)
-        if train:
-            gathered.requires_grad_(True)
-            self._pinned.append(slots)
-            gathered.register_hook(lambda grad: self._update(slots, u_tables, grad))
-        return F.embedding_bag(
-            torch.from_numpy(inverse).to(device), gathered, offsets.to(device), mode=self.mode,
-            per_sample_weights=None if weights is None else weights.to(device, torch.float32),
-            include_last_offset=True,
-        )
+        inverse_t = torch.from_numpy(inverse).to(device)
+        offsets = offsets.to(device)
+        weights = None if weights is None else weights.to(device, torch.float32)
+        if not train:
+            return F.embedding_bag(inverse_t, gathered, offsets, mode=self.mode,
+                                   per_sample_weights=weights, include_last_offset=True)
+        self._pinned.append(slots)
+        gathered.requires_grad_(True)  # so autograd reaches the backward below
+        return _PooledRows.apply(gathered, inverse_t, offsets, weights, self.mode,
+                                 lambda grad: self._update(slots, u_tables, grad))
 
     def _fetch(self, tables: np.ndarray, ids: np.ndarray, pinned: np.ndarray) -> np.ndarray:
         rows = torch.empty(len(ids), self.width)
@@ -230,3 +231,34 @@ class TableGroup:
             self.host_tier.insert(rows)
         else:
             self.device_tier.insert(rows)
+
+
+class _PooledRows(torch.autograd.Function):
+    """Pooling of gathered rows whose backward hands each row's summed gradient to ``on_grad``.
+
+    The gradient goes straight to the fused optimizer: nothing flows back to a parameter.
+    It is accumulated with one index_add over all ids, cheaper than embedding_bag's own
+    backward, which builds a gradient for a weight that is thrown away here.
+    """
+
+    @staticmethod
+    def forward(ctx, rows, inverse, offsets, weights, mode, on_grad):  # type: ignore[override]
+        ctx.save_for_backward(inverse, offsets, weights)
+        ctx.mode, ctx.on_grad, ctx.num_rows = mode, on_grad, rows.shape[0]
+        return F.embedding_bag(inverse, rows, offsets, mode=mode, per_sample_weights=weights,
+                               include_last_offset=True)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        inverse, offsets, weights = ctx.saved_tensors
+        lengths = offsets[1:] - offsets[:-1]
+        bag_of_id = torch.repeat_interleave(torch.arange(len(lengths), device=grad_out.device), lengths)
+        per_id = grad_out.index_select(0, bag_of_id)
+        if weights is not None:
+            per_id = per_id * weights.unsqueeze(1)
+        if ctx.mode == "mean":
+            per_id = per_id / lengths.index_select(0, bag_of_id).unsqueeze(1).to(per_id.dtype)
+        grad_rows = torch.zeros(ctx.num_rows, grad_out.shape[1], dtype=grad_out.dtype, device=grad_out.device)
+        grad_rows.index_add_(0, inverse, per_id)
+        ctx.on_grad(grad_rows)
+        return None, None, None, None, None, None
