@@ -13,6 +13,7 @@ from ctr_lightning.embedding import (
     SparseSGD,
     StorageConfig,
     TieredEmbeddingBagCollection,
+    plan_storage,
 )
 
 ROWS = 5000
@@ -250,3 +251,21 @@ def test_full_disk_is_a_clear_error_and_loses_nothing(tmp_path):
     assert "ERROR" in result.stdout, result.stdout + result.stderr[-2000:]
     assert "SSD tier of tables ['big']" in result.stdout and "rows already written are intact" in result.stdout
     assert "LOST 0 OF" in result.stdout, result.stdout
+
+
+def test_lfu_eviction_and_planned_capacities_give_the_same_weights(tmp_path):
+    reference = train(TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05)), 20)
+    lfu = StorageConfig(device_rows=ROWS // 100, host_rows=ROWS // 20, ssd_dir=str(tmp_path / "lfu"),
+                        eviction="lfu")
+    row_bytes = 4 * (8 + 16)  # dim 8 with Adam's two moments
+    planned = plan_storage(TABLES, device_bytes=3 * 60 * row_bytes, host_bytes=3 * 250 * row_bytes,
+                           ssd_dir=str(tmp_path / "planned"))
+    # Shares follow num_embeddings * dim: t0 and t1 alike, t2 (dim 4) half of either.
+    assert planned["t0"].device_bytes == planned["t1"].device_bytes == 2 * planned["t2"].device_bytes
+    for storage in (lfu, planned):
+        ebc = TieredEmbeddingBagCollection(TABLES, storage=storage, optimizer=SparseAdam(lr=0.05))
+        got = train(ebc, 20)
+        stats = ebc.tier_stats()
+        assert stats["host_hits"] + stats["ssd_hits"] > 0, stats  # rows came back from below
+        for t in TABLES:
+            assert torch.equal(got[t.name], reference[t.name]), t.name
