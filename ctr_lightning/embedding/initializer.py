@@ -2,23 +2,45 @@
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
-from ctr_lightning.hashing import splitmix64, uniform01
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+@numba.njit(cache=True, inline="always")
+def _splitmix64(x: np.uint64) -> np.uint64:
+    z = x + _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@numba.njit(parallel=True, cache=True)
+def _fill(seed, tables, ids, bounds, out):
+    dim = out.shape[1]
+    seed_key = _splitmix64(np.uint64(seed))
+    for i in numba.prange(len(ids)):
+        key = _splitmix64(_splitmix64(seed_key ^ np.uint64(tables[i])) ^ np.uint64(ids[i]))
+        for d in range(dim):
+            bits = _splitmix64(key ^ (np.uint64(d) * _GOLDEN)) >> np.uint64(11)
+            u = (np.float64(bits) + 0.5) / 9007199254740992.0  # (0, 1)
+            out[i, d] = np.float32((2.0 * u - 1.0) * bounds[i])
 
 
 def initial_rows(seed: int, tables: np.ndarray, ids: np.ndarray, dim: int, bounds: np.ndarray) -> np.ndarray:
     """Uniform(-bound, bound) weights from a counter-based generator, float32 ``[n, dim]``.
 
     ``tables`` are the rows' table indices in the collection and ``bounds`` their
-    per-row bounds (torchrec's default is ``sqrt(1 / num_embeddings)``).
-    The value at (row, column) depends only on (seed, table, id, column), so a row is
-    the same whether it is first seen in training, evaluation or after a restart.
+    per-row bounds (torchrec's default is ``sqrt(1 / num_embeddings)``). The value at
+    (row, column) depends only on (seed, table, id, column), so a row is the same
+    whether it is first seen in training, in evaluation or after a restart.
 
     Example::
 
         initial_rows(0, np.array([0, 0]), np.array([5, 10**12]), 4, bounds=np.array([0.01, 0.01]))
     """
-    base = splitmix64(splitmix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF) ^ tables.astype(np.uint64)) ^ ids.astype(np.uint64))
-    u = uniform01(base[:, None] ^ (np.arange(dim, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15))[None, :])
-    return ((2.0 * u - 1.0) * bounds[:, None]).astype(np.float32)
+    out = np.empty((len(ids), dim), dtype=np.float32)
+    _fill(seed & 0xFFFFFFFFFFFFFFFF, np.ascontiguousarray(tables, dtype=np.int64),
+          np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(bounds, dtype=np.float64), out)
+    return out

@@ -38,7 +38,10 @@ class RowCache:
     Example::
 
         cache = RowCache(width=8, capacities=[100, None], lfu=[False, False], device="cpu")
-        slots = cache.insert(Rows(tables, ids, values, dirty), pinned=np.array([], dtype=np.int64))[0]
+        need = cache.room_needed(tables)
+        victim_slots, victims = cache.choose_victims(need, pinned=np.array([], dtype=np.int64), names=["a", "b"])
+        cache.release(victim_slots)   # after writing the dirty victims below
+        slots = cache.insert(Rows(tables, ids, values, dirty))
     """
 
     def __init__(
@@ -47,35 +50,39 @@ class RowCache:
         capacities: list[int | None],
         lfu: list[bool],
         device: torch.device | str,
-        initial_slots: int = 1024,
+        reserve_rows: int = 1024,
     ) -> None:
         self.width = width
         self.device = torch.device(device)
         self.capacity = np.array([-1 if c is None else c for c in capacities], dtype=np.int64)
         self.lfu = np.array(lfu, dtype=bool)
-        self.index = KeyIndex(initial_slots)
+        self.index = KeyIndex()
         self.occupancy = np.zeros(len(capacities), dtype=np.int64)
         self.clock = 0
-        # A fully bounded tier takes its whole budget at once; it never needs to grow.
-        self._allocate(int(self.capacity.sum()) if (self.capacity >= 0).all() else initial_slots)
+        # A fully bounded tier reserves its whole budget; others start from the hint and grow.
+        bounded = (self.capacity >= 0).all()
+        self._allocate(int(self.capacity.sum()) if bounded else max(reserve_rows, 16))
 
     def _allocate(self, slots: int) -> None:
-        self.values = torch.zeros(slots, self.width, device=self.device)
-        self.slot_table = np.full(slots, -1, dtype=np.int64)
-        self.slot_id = np.full(slots, -1, dtype=np.int64)
+        # Uninitialised and calloc'ed arrays: pages cost memory only once a row is used.
+        self.values = torch.empty(slots, self.width, device=self.device)
+        self.owner = np.zeros(slots, dtype=np.int32)  # table + 1; 0 marks a free slot
+        self.slot_id = np.empty(slots, dtype=np.int64)
         self.dirty = np.zeros(slots, dtype=bool)
         self.last_used = np.zeros(slots, dtype=np.int64)
         self.uses = np.zeros(slots, dtype=np.int64)
-        self.free = np.arange(slots - 1, -1, -1, dtype=np.int64)  # a stack: pop from the end
+        self.never_used = 0  # slots [never_used, len) were never handed out
+        self.free = np.empty(0, dtype=np.int64)  # released slots, reused first
         self.index.clear()
         self.occupancy[:] = 0
 
+    @property
+    def slot_table(self) -> np.ndarray:
+        """Table of each slot handed out so far, -1 where free."""
+        return self.owner[: self.never_used].astype(np.int64) - 1
+
     def __len__(self) -> int:
         return int(self.occupancy.sum())
-
-    @property
-    def bounded(self) -> bool:
-        return bool((self.capacity >= 0).any())
 
     def lookup(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return self.index.lookup(ids, tables)
@@ -102,6 +109,7 @@ class RowCache:
             return empty, self._rows(empty)
         owner = self.slot_table
         candidate = owner >= 0
+        pinned = pinned[pinned < len(owner)]
         candidate[pinned] = False
         candidate &= need[np.maximum(owner, 0)] > 0
         slots = np.flatnonzero(candidate)
@@ -121,27 +129,33 @@ class RowCache:
         return victims, self._rows(victims)
 
     def release(self, slots: np.ndarray) -> None:
-        tables = self.slot_table[slots]
+        tables = self.owner[slots].astype(np.int64) - 1
         self.index.remove(self.slot_id[slots], tables)
         self.occupancy -= np.bincount(tables, minlength=len(self.occupancy))
-        self.slot_table[slots] = -1
-        self.slot_id[slots] = -1
+        self.owner[slots] = 0
         self.dirty[slots] = False
         self.free = np.concatenate([self.free, slots])
+
+    def _take_slots(self, n: int) -> np.ndarray:
+        reused = self.free[len(self.free) - min(n, len(self.free)) :][::-1].copy()
+        self.free = self.free[: len(self.free) - len(reused)]
+        rest = n - len(reused)
+        if self.never_used + rest > len(self.owner):
+            self._grow(self.never_used + rest)
+        fresh = np.arange(self.never_used, self.never_used + rest, dtype=np.int64)
+        self.never_used += rest
+        return np.concatenate([reused, fresh])
 
     def insert(self, rows: Rows) -> np.ndarray:
         """Place rows whose room was made with :meth:`evict`; overwrite those present."""
         slots = self.lookup(rows.tables, rows.ids)
         new = slots < 0
-        n_new = int(new.sum())
-        if n_new > len(self.free):
-            self._grow(len(self) + n_new)
-        fresh = self.free[len(self.free) - n_new :][::-1].copy()
-        self.free = self.free[: len(self.free) - n_new]
+        fresh = self._take_slots(int(new.sum()))
         slots[new] = fresh
         self.index.insert(rows.ids[new], rows.tables[new], fresh)
-        self.slot_table[fresh] = rows.tables[new]
+        self.owner[fresh] = rows.tables[new] + 1
         self.slot_id[fresh] = rows.ids[new]
+        self.dirty[fresh] = False
         self.occupancy += np.bincount(rows.tables[new], minlength=len(self.occupancy))
         self.uses[fresh] = 0
         self.last_used[fresh] = self.clock
@@ -150,19 +164,21 @@ class RowCache:
         return slots
 
     def _grow(self, needed: int) -> None:
-        old = len(self.slot_table)
+        old = len(self.owner)
         size = max(needed, 2 * old)
-        self.values = torch.cat([self.values, torch.zeros(size - old, self.width, device=self.device)])
-        self.slot_table = np.concatenate([self.slot_table, np.full(size - old, -1, dtype=np.int64)])
-        self.slot_id = np.concatenate([self.slot_id, np.full(size - old, -1, dtype=np.int64)])
-        self.dirty = np.concatenate([self.dirty, np.zeros(size - old, dtype=bool)])
-        self.last_used = np.concatenate([self.last_used, np.zeros(size - old, dtype=np.int64)])
-        self.uses = np.concatenate([self.uses, np.zeros(size - old, dtype=np.int64)])
-        self.free = np.concatenate([np.arange(size - 1, old - 1, -1, dtype=np.int64), self.free])
+        values = torch.empty(size, self.width, device=self.device)
+        values[:old] = self.values
+        self.values = values
+        pad = size - old
+        self.owner = np.concatenate([self.owner, np.zeros(pad, dtype=np.int32)])
+        self.slot_id = np.concatenate([self.slot_id, np.empty(pad, dtype=np.int64)])
+        self.dirty = np.concatenate([self.dirty, np.zeros(pad, dtype=bool)])
+        self.last_used = np.concatenate([self.last_used, np.zeros(pad, dtype=np.int64)])
+        self.uses = np.concatenate([self.uses, np.zeros(pad, dtype=np.int64)])
 
     def _rows(self, slots: np.ndarray) -> Rows:
         index = torch.from_numpy(slots).to(self.device)
-        return Rows(self.slot_table[slots].copy(), self.slot_id[slots].copy(),
+        return Rows(self.owner[slots].astype(np.int64) - 1, self.slot_id[slots].copy(),
                     self.values.index_select(0, index), self.dirty[slots].copy())
 
     def entries(self) -> Rows:
@@ -170,7 +186,7 @@ class RowCache:
         return self._rows(np.flatnonzero(self.slot_table >= 0))
 
     def clear(self) -> None:
-        self._allocate(len(self.slot_table))
+        self._allocate(len(self.owner))
 
     @property
     def nbytes(self) -> int:

@@ -9,13 +9,23 @@ import torch
 import torch.nn.functional as F
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
+from ctr_lightning.embedding import cpu_kernels as kernels
 from ctr_lightning.embedding.initializer import initial_rows
 from ctr_lightning.embedding.key_index import dedup
-from ctr_lightning.embedding.optimizers import SparseOptimizer
+from ctr_lightning.embedding.optimizers import (
+    RowWiseAdagrad,
+    SparseAdagrad,
+    SparseAdam,
+    SparseOptimizer,
+    SparseSGD,
+)
 from ctr_lightning.embedding.row_cache import RowCache, Rows
 from ctr_lightning.embedding.sparse_update import apply_update, state_width
 from ctr_lightning.embedding.ssd import SsdStore
 from ctr_lightning.embedding.storage_config import StorageConfig
+
+
+_RESERVE_BYTES = 4 << 30
 
 
 class TableGroup:
@@ -61,11 +71,16 @@ class TableGroup:
                 raise ValueError(f"table {t!r}: a bounded host tier needs StorageConfig.ssd_dir for the rest")
             if dev is not None and host is not None and ssd_dir is None:
                 raise ValueError(f"table {t!r}: bounded device and host tiers need an SSD tier")
-        self.device_tier = RowCache(self.width, device_caps, lfu, device)
+        # Unbounded tiers reserve address space for every row the configs expect (never more
+        # than _RESERVE_BYTES); untouched pages of the reservation cost no memory.
+        reserve = int(min(self.num_embeddings.sum(), _RESERVE_BYTES // row_bytes))
+        self.device_tier = RowCache(self.width, device_caps, lfu, device, reserve_rows=reserve)
         needs_host = any(c is not None for c in device_caps)
-        self.host_tier = RowCache(self.width, host_caps, lfu, "cpu") if needs_host else None
+        self.host_tier = RowCache(self.width, host_caps, lfu, "cpu", reserve_rows=reserve) if needs_host else None
         self.ssd = SsdStore(ssd_dir, name, self.width, self.names) if ssd_dir is not None else None
         self._pinned: list[np.ndarray] = []
+        # Autograd only calls a Function's backward when an input needs a gradient.
+        self._placeholder = torch.zeros(0, requires_grad=True)
         self.stats = {"device_hits": 0, "host_hits": 0, "ssd_hits": 0, "new_rows": 0}
 
     # -- forward -------------------------------------------------------------------------
@@ -80,9 +95,13 @@ class TableGroup:
             raise ValueError(f"table {self.names[t]!r}: id {int(ids[i])} is {why}")
 
     def lookup(
-        self, ids: np.ndarray, tables: np.ndarray, offsets: torch.Tensor, weights: torch.Tensor | None, train: bool
+        self, ids: np.ndarray, tables: np.ndarray, offsets: torch.Tensor, weights: torch.Tensor | None,
+        batch: int, train: bool,
     ) -> torch.Tensor:
-        """Pooled ``[bags, dim]`` embeddings; with ``train``, the rows update in backward."""
+        """Pooled ``[batch, features * dim]`` embeddings (bags are feature-major).
+
+        With ``train``, the touched rows are updated by the sparse optimizer in backward.
+        """
         self.validate(tables, ids)
         first, inverse = dedup(ids, tables)
         u_tables, u_ids = tables[first], ids[first]
@@ -92,19 +111,40 @@ class TableGroup:
         if miss.any():
             slots[miss] = self._fetch(u_tables[miss], u_ids[miss], pinned=slots[~miss])
         self.device_tier.touch(slots)
+        if train:
+            self._pinned.append(slots)
+        on_grad = (lambda grad_or_ctx: self._update(slots, u_tables, grad_or_ctx)) if train else None
+        if self.device_tier.device.type == "cpu":
+            return self._lookup_cpu(slots, inverse, offsets, weights, batch, on_grad)
+        return self._lookup_torch(slots, inverse, offsets, weights, batch, on_grad)
+
+    def _lookup_cpu(self, slots, inverse, offsets, weights, batch, on_grad) -> torch.Tensor:
+        # Fused numba kernels read and update the storage in place: no gathered copies.
+        offsets_np = offsets.numpy().astype(np.int64, copy=False)
+        weights_np = (weights.numpy().astype(np.float32, copy=False) if weights is not None
+                      else np.empty(0, dtype=np.float32))
+        features = (len(offsets_np) - 1) // batch
+        inputs = (slots, inverse, offsets_np, weights_np, batch)
+        if on_grad is None:
+            out = torch.empty(batch, features * self.dim)
+            kernels.pool_forward(self.device_tier.values.numpy(), self.dim, slots, inverse, offsets_np,
+                                 weights_np, self.mode == "mean", batch, out.numpy(), 0)
+            return out
+        return _FusedCpuPooling.apply(self._placeholder, self, inputs, on_grad)
+
+    def _lookup_torch(self, slots, inverse, offsets, weights, batch, on_grad) -> torch.Tensor:
         device = self.device_tier.device
-        slot_index = torch.from_numpy(slots).to(device)
-        gathered = self.device_tier.values[:, : self.dim].index_select(0, slot_index)
+        gathered = self.device_tier.values[:, : self.dim].index_select(0, torch.from_numpy(slots).to(device))
         inverse_t = torch.from_numpy(inverse).to(device)
         offsets = offsets.to(device)
         weights = None if weights is None else weights.to(device, torch.float32)
-        if not train:
-            return F.embedding_bag(inverse_t, gathered, offsets, mode=self.mode,
-                                   per_sample_weights=weights, include_last_offset=True)
-        self._pinned.append(slots)
-        gathered.requires_grad_(True)  # so autograd reaches the backward below
-        return _PooledRows.apply(gathered, inverse_t, offsets, weights, self.mode,
-                                 lambda grad: self._update(slots, u_tables, grad))
+        if on_grad is None:
+            pooled = F.embedding_bag(inverse_t, gathered, offsets, mode=self.mode,
+                                     per_sample_weights=weights, include_last_offset=True)
+        else:
+            gathered.requires_grad_(True)  # so autograd reaches _PooledRows.backward
+            pooled = _PooledRows.apply(gathered, inverse_t, offsets, weights, self.mode, on_grad)
+        return pooled.reshape(-1, batch, self.dim).transpose(0, 1).reshape(batch, -1)
 
     def _fetch(self, tables: np.ndarray, ids: np.ndarray, pinned: np.ndarray) -> np.ndarray:
         rows = torch.empty(len(ids), self.width)
@@ -160,15 +200,34 @@ class TableGroup:
 
     # -- backward ------------------------------------------------------------------------
 
-    def _update(self, slots: np.ndarray, tables: np.ndarray, grad: torch.Tensor) -> None:
+    def _update(self, slots: np.ndarray, tables: np.ndarray, grad: torch.Tensor | _CpuBackward) -> None:
         # Every table in the batch counts a step, as torch.optim.SparseAdam counts per parameter.
         self.steps += 1
-        index = torch.from_numpy(slots).to(grad.device)
-        rows = self.device_tier.values.index_select(0, index)
-        step = torch.from_numpy(self.steps[tables]).to(grad.device)
-        self.device_tier.values.index_copy_(0, index, apply_update(self.optimizer, rows, grad, step))
+        step = self.steps[tables]
+        if isinstance(grad, _CpuBackward):
+            self._update_cpu(slots, step, grad)
+        else:
+            index = torch.from_numpy(slots).to(grad.device)
+            rows = self.device_tier.values.index_select(0, index)
+            step_t = torch.from_numpy(step).to(grad.device)
+            self.device_tier.values.index_copy_(0, index, apply_update(self.optimizer, rows, grad, step_t))
         self.device_tier.dirty[slots] = True
         self._pinned = [p for p in self._pinned if p is not slots]
+
+    def _update_cpu(self, slots: np.ndarray, step: np.ndarray, ctx: _CpuBackward) -> None:
+        opt = self.optimizer
+        kind, params = kernel_optimizer(opt)
+        step_scale = np.zeros(len(slots), dtype=np.float32)
+        if kind == kernels.ADAM:
+            beta1, beta2 = opt.betas
+            step_scale = (opt.lr * np.sqrt(1 - beta2 ** step.astype(np.float64))
+                          / (1 - beta1 ** step.astype(np.float64))).astype(np.float32)
+        inverse, offsets, weights, batch = ctx.inverse, ctx.offsets, ctx.weights, ctx.batch
+        row_ptr, positions = kernels.occurrences_by_row(inverse, len(slots))
+        bag = kernels.bag_of_ids(offsets, len(inverse))
+        kernels.backward_update(self.device_tier.values.numpy(), self.dim, slots, row_ptr, positions, bag,
+                                offsets, weights, self.mode == "mean", batch, ctx.grad_out, 0, kind, params,
+                                step_scale, np.empty((len(slots), self.dim), dtype=np.float32))
 
     # -- reads without side effects, and checkpoints --------------------------------------
 
@@ -262,3 +321,45 @@ class _PooledRows(torch.autograd.Function):
         grad_rows.index_add_(0, inverse, per_id)
         ctx.on_grad(grad_rows)
         return None, None, None, None, None, None
+
+
+def kernel_optimizer(opt: SparseOptimizer) -> tuple[int, np.ndarray]:
+    """The fused CPU kernel's optimizer code and (lr, eps, beta1, beta2)."""
+    if isinstance(opt, RowWiseAdagrad):
+        return kernels.ROWWISE_ADAGRAD, np.array([opt.lr, opt.eps, 0, 0], dtype=np.float32)
+    if isinstance(opt, SparseAdagrad):
+        return kernels.ADAGRAD, np.array([opt.lr, opt.eps, 0, 0], dtype=np.float32)
+    if isinstance(opt, SparseAdam):
+        return kernels.ADAM, np.array([opt.lr, opt.eps, *opt.betas], dtype=np.float32)
+    if isinstance(opt, SparseSGD):
+        return kernels.SGD, np.array([opt.lr, 0, 0, 0], dtype=np.float32)
+    raise TypeError(f"unknown sparse optimizer config {opt!r}")
+
+
+class _CpuBackward:
+    """What the fused CPU backward needs: the batch's layout and the output gradient."""
+
+    def __init__(self, inverse, offsets, weights, batch, grad_out) -> None:
+        self.inverse, self.offsets, self.weights, self.batch = inverse, offsets, weights, batch
+        self.grad_out = grad_out
+
+
+class _FusedCpuPooling(torch.autograd.Function):
+    """Pooling by :func:`kernels.pool_forward`; backward runs the fused optimizer kernel."""
+
+    @staticmethod
+    def forward(ctx, placeholder, group, inputs, on_grad):  # type: ignore[override]
+        slots, inverse, offsets, weights, batch = inputs
+        features = (len(offsets) - 1) // batch
+        out = torch.empty(batch, features * group.dim)
+        kernels.pool_forward(group.device_tier.values.numpy(), group.dim, slots, inverse, offsets, weights,
+                             group.mode == "mean", batch, out.numpy(), 0)
+        ctx.inputs, ctx.on_grad = inputs, on_grad
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        _, inverse, offsets, weights, batch = ctx.inputs
+        grad = grad_out.contiguous().numpy()
+        ctx.on_grad(_CpuBackward(inverse, offsets, weights, batch, grad))
+        return None, None, None, None

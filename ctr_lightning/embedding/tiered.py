@@ -107,6 +107,13 @@ class TieredEmbeddingBagCollection(nn.Module):
             for f in tables[i].feature_names
         }
         self._group_order = [f for fs in self._group_features for f in fs]
+        # Columns of the groups' outputs, put back into config order (None when already so).
+        starts, col = {}, 0
+        for f in self._group_order:
+            starts[f] = col
+            col += self._dims[self._feature_names.index(f)]
+        order = [starts[f] + d for f, dim in zip(self._feature_names, self._dims) for d in range(dim)]
+        self._column_order = None if order == list(range(col)) else torch.tensor(order)
         self._table_of_name = {t.name: (g, local) for g, members in enumerate(self._group_tables)
                                for local, t in enumerate(tables[i] for i in members)}
 
@@ -126,7 +133,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         weights = features.weights_or_none() if self._is_weighted else None
         offsets = features.offsets()
         train = self.training and torch.is_grad_enabled()
-        pooled: dict[str, torch.Tensor] = {}
+        outputs: list[torch.Tensor] = []
         key_start = value_start = 0
         for group, names in zip(self._groups, self._group_features):
             n_keys = len(names)
@@ -136,16 +143,13 @@ class TieredEmbeddingBagCollection(nn.Module):
             tables = np.repeat(np.array([self._feature_local_table[f] for f in names], dtype=np.int64),
                                lengths[key_start : key_start + n_keys])
             group_weights = None if weights is None else weights[value_start : value_start + n_values]
-            out = group.lookup(ids, tables, group_offsets, group_weights, train)  # [n_keys * B, dim]
-            for k, name in enumerate(names):
-                pooled[name] = out[k * batch : (k + 1) * batch]
+            outputs.append(group.lookup(ids, tables, group_offsets, group_weights, batch, train))
             key_start += n_keys
             value_start += n_values
-        return KeyedTensor(
-            keys=self._feature_names,
-            length_per_key=self._dims,
-            values=torch.cat([pooled[f] for f in self._feature_names], dim=1),
-        )
+        pooled = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        if self._column_order is not None:  # groups interleave the config's feature order
+            pooled = pooled.index_select(1, self._column_order.to(pooled.device))
+        return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=pooled)
 
     # -- inspection ----------------------------------------------------------------------
 

@@ -1,0 +1,116 @@
+"""Fused CPU kernels for the device tier: pool straight from storage, and in backward
+sum each touched row's gradient and apply the sparse optimizer in place.
+
+One call covers every table of a group; rows are processed in parallel (numba prange),
+and each row's gradient is summed in a fixed order, so results do not depend on the
+thread count or on where the row lived before.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = 0, 1, 2, 3
+
+
+@numba.njit(parallel=True, cache=True, fastmath={"contract"})
+def pool_forward(storage, dim, slots, inverse, offsets, weights, mean, batch, out, column0):
+    """out[b, column0 + f*dim : ...] = pooled rows of bag f*batch + b (feature-major bags)."""
+    bags = len(offsets) - 1
+    has_weights = len(weights) > 0
+    for k in numba.prange(bags):
+        f = k // batch
+        b = k - f * batch
+        acc = out[b, column0 + f * dim : column0 + (f + 1) * dim]
+        acc[:] = 0.0
+        start, end = offsets[k], offsets[k + 1]
+        for i in range(start, end):
+            row = storage[slots[inverse[i]], :dim]
+            w = weights[i] if has_weights else np.float32(1.0)
+            for d in range(dim):
+                acc[d] += w * row[d]
+        if mean and end > start:
+            scale = np.float32(1.0) / np.float32(end - start)
+            for d in range(dim):
+                acc[d] *= scale
+
+
+@numba.njit(cache=True)
+def occurrences_by_row(inverse, num_rows):
+    """CSR of id positions per unique row, positions in increasing order (a counting sort)."""
+    counts = np.zeros(num_rows + 1, dtype=np.int64)
+    for i in range(len(inverse)):
+        counts[inverse[i] + 1] += 1
+    for u in range(num_rows):
+        counts[u + 1] += counts[u]
+    fill = counts[:-1].copy()
+    positions = np.empty(len(inverse), dtype=np.int64)
+    for i in range(len(inverse)):
+        u = inverse[i]
+        positions[fill[u]] = i
+        fill[u] += 1
+    return counts, positions
+
+
+@numba.njit(cache=True)
+def bag_of_ids(offsets, num_ids):
+    bag = np.empty(num_ids, dtype=np.int64)
+    for k in range(len(offsets) - 1):
+        for i in range(offsets[k], offsets[k + 1]):
+            bag[i] = k
+    return bag
+
+
+@numba.njit(parallel=True, cache=True, fastmath={"contract"})
+def backward_update(storage, dim, slots, row_ptr, positions, bag, offsets, weights, mean, batch,
+                    grad_out, column0, kind, params, step_scale, scratch):
+    """For every touched row: gradient = sum over its ids of the pooled-output gradient,
+    then one optimizer step on ``storage[slot]`` (weights and state) in place.
+
+    params: (lr, eps, beta1, beta2); step_scale[u]: Adam's lr * sqrt(1 - beta2^t) / (1 - beta1^t);
+    scratch: ``[rows, dim]`` float32 for the gradients.
+    """
+    has_weights = len(weights) > 0
+    lr, eps, beta1, beta2 = params[0], params[1], params[2], params[3]
+    one = np.float32(1.0)
+    for u in numba.prange(len(slots)):
+        g = scratch[u]
+        g[:] = 0.0
+        for j in range(row_ptr[u], row_ptr[u + 1]):
+            i = positions[j]
+            k = bag[i]
+            f = k // batch
+            b = k - f * batch
+            scale = weights[i] if has_weights else one
+            if mean:
+                scale = scale / np.float32(offsets[k + 1] - offsets[k])
+            src = grad_out[b, column0 + f * dim : column0 + (f + 1) * dim]
+            for d in range(dim):
+                g[d] += scale * src[d]
+        r = storage[slots[u]]
+        if kind == SGD:
+            for d in range(dim):
+                r[d] -= lr * g[d]
+        elif kind == ADAGRAD:
+            for d in range(dim):
+                acc = r[dim + d] + g[d] * g[d]
+                r[dim + d] = acc
+                r[d] -= lr * g[d] / (np.sqrt(acc) + eps)
+        elif kind == ROWWISE_ADAGRAD:
+            sq = np.float32(0.0)
+            for d in range(dim):
+                sq += g[d] * g[d]
+            acc = r[dim] + sq / np.float32(dim)
+            r[dim] = acc
+            denom = np.sqrt(acc) + eps
+            for d in range(dim):
+                r[d] -= lr * g[d] / denom
+        else:
+            size = step_scale[u]
+            for d in range(dim):
+                m = r[dim + d] + (g[d] - r[dim + d]) * (one - beta1)
+                v = r[2 * dim + d] + (g[d] * g[d] - r[2 * dim + d]) * (one - beta2)
+                r[dim + d] = m
+                r[2 * dim + d] = v
+                r[d] -= size * (m / (np.sqrt(v) + eps))
