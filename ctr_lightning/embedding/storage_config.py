@@ -17,7 +17,9 @@ class StorageConfig:
 
     Each capacity may be given in rows, in bytes, or both (the smaller wins); ``None``
     means the tier holds every row it is given. A bounded host tier needs ``ssd_dir``,
-    where the rows that do not fit are kept in files.
+    where the rows that do not fit are kept in files. A host capacity of 0 means no
+    host tier: rows leaving the device tier go straight to SSD (the natural choice on a
+    CPU machine, where the device tier is DRAM already).
 
     Args:
         device_rows / device_bytes: the tier the compute reads (GPU memory, or DRAM on CPU).
@@ -38,10 +40,14 @@ class StorageConfig:
     eviction: Eviction = "lru"
 
     def __post_init__(self) -> None:
-        for name in ("device_rows", "device_bytes", "host_rows", "host_bytes"):
+        for name in ("device_rows", "device_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"StorageConfig.{name} must be >= 1 or None, got {value}")
+        for name in ("host_rows", "host_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"StorageConfig.{name} must be >= 0 or None, got {value}")
         if self.eviction not in ("lru", "lfu"):
             raise ValueError(f"StorageConfig.eviction must be 'lru' or 'lfu', got {self.eviction!r}")
 

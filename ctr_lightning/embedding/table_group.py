@@ -67,7 +67,7 @@ class TableGroup:
         host_caps = [s.host_capacity(row_bytes) for s in storage]
         ssd_dir = storage[0].ssd_dir
         for t, dev, host in zip(self.names, device_caps, host_caps):
-            if host is not None and ssd_dir is None:
+            if host and ssd_dir is None:
                 raise ValueError(f"table {t!r}: a bounded host tier needs StorageConfig.ssd_dir for the rest")
             if dev is not None and host is not None and ssd_dir is None:
                 raise ValueError(f"table {t!r}: bounded device and host tiers need an SSD tier")
@@ -75,7 +75,10 @@ class TableGroup:
         # than _RESERVE_BYTES); untouched pages of the reservation cost no memory.
         reserve = int(min(self.num_embeddings.sum(), _RESERVE_BYTES // row_bytes))
         self.device_tier = RowCache(self.width, device_caps, lfu, device, reserve_rows=reserve)
-        needs_host = any(c is not None for c in device_caps)
+        needs_host = any(c is not None for c in device_caps) and any(c != 0 for c in host_caps)
+        if needs_host and any(c == 0 for c in host_caps):
+            raise ValueError(f"tables {self.names}: a host capacity of 0 (no host tier) must hold for "
+                             f"every table that shares an SSD directory and dim")
         self.host_tier = RowCache(self.width, host_caps, lfu, "cpu", reserve_rows=reserve) if needs_host else None
         self.ssd = SsdStore(ssd_dir, name, self.width, self.names) if ssd_dir is not None else None
         self._pinned: list[np.ndarray] = []
