@@ -23,57 +23,116 @@ _pwrite.restype = ctypes.c_ssize_t
 _GARBAGE_BYTES = 64 << 20
 
 
+@numba.njit(cache=True)
+def _runs(records):
+    """Start indices of the runs of adjacent records (ascending input), plus the end."""
+    starts = [0]
+    for i in range(1, len(records)):
+        if records[i] != records[i - 1] + 1:
+            starts.append(i)
+    starts.append(len(records))
+    return np.array(starts, dtype=np.int64)
+
+
 # Not cached on disk: numba cannot cache functions that call through ctypes pointers.
 @numba.njit
-def _read_records(fd, out, records) -> int:
-    """pread rows ``records`` (ascending) into ``out``, one call per run of adjacent
-    records; returns the first row of a failed run or -1."""
+def _read_records(fd, out, records, runs) -> int:
+    """pread rows ``records`` into ``out``, one call per run; the first failed row or -1."""
     nbytes = out.shape[1] * 4
     base = out.ctypes.data
-    i = 0
-    n = len(records)
-    while i < n:
-        j = i + 1
-        while j < n and records[j] == records[j - 1] + 1:
-            j += 1
-        length = (j - i) * nbytes
-        if _pread(fd, base + i * nbytes, length, records[i] * nbytes) != length:
+    for r in range(len(runs) - 1):
+        i, j = runs[r], runs[r + 1]
+        if _pread(fd, base + i * nbytes, (j - i) * nbytes, records[i] * nbytes) != (j - i) * nbytes:
             return i
-        i = j
     return -1
 
 
 @numba.njit
-def _write_records(fd, rows, records) -> int:
-    """pwrite ``rows`` to ``records`` (ascending), one call per run of adjacent records."""
+def _write_records(fd, rows, records, runs) -> int:
+    """pwrite ``rows`` to ``records``, one call per run; the first failed row or -1."""
     nbytes = rows.shape[1] * 4
     base = rows.ctypes.data
-    i = 0
-    n = len(records)
-    while i < n:
-        j = i + 1
-        while j < n and records[j] == records[j - 1] + 1:
-            j += 1
-        length = (j - i) * nbytes
-        if _pwrite(fd, base + i * nbytes, length, records[i] * nbytes) != length:
+    for r in range(len(runs) - 1):
+        i, j = runs[r], runs[r + 1]
+        if _pwrite(fd, base + i * nbytes, (j - i) * nbytes, records[i] * nbytes) != (j - i) * nbytes:
             return i
-        i = j
     return -1
 
 
-class SsdStore:
-    """Rows of several tables as float32 records in ``<directory>/<name>.rows``.
+class RecordFile:
+    """A file of fixed-size float32 records, read and written in compiled pread/pwrite loops.
 
-    The file is a log: every write appends the rows as one sequential ``pwrite`` and
-    points the (table, id) index at the new records; the old copies become garbage.
-    When garbage outgrows the live rows, :meth:`compact` rewrites the live records to a
-    fresh file, chunk by chunk, and swaps it in. Reads are ``pread`` calls in a compiled
-    loop (one per run of adjacent records), so the tier costs page cache, not process
-    memory; the index stays in DRAM (at most 48 bytes a row). Writes are plain
-    ``pwrite`` calls (not a memory map), so a full disk is an ENOSPC error right there,
-    and the index moves to new records only after they are written: a failed write or
-    compaction leaves every earlier row readable. (Space is not reserved with
-    posix_fallocate: on ext4, writing into reserved extents was 4x slower here.)
+    Writes are plain ``pwrite`` calls (not a memory map), so a full disk is an ENOSPC
+    error right there; the tier costs page cache, not process memory. Subclasses decide
+    where a (table, id) lives. (No posix_fallocate: on ext4, writing into reserved
+    extents measured 4x slower here.)
+    """
+
+    def __init__(self, directory: str | os.PathLike, name: str, width: int, table_names: list[str]) -> None:
+        self.directory = Path(directory)
+        self.width = width
+        self.table_names = table_names
+        self.record_bytes = width * 4
+        self.fd = -1
+        self.path = self.directory / f"{name}.rows"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise OSError(e.errno, f"SSD tier of tables {table_names}: cannot create files in "
+                                   f"{self.directory}: {e.strerror}") from e
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    def _fail(self, action: str, err: int) -> OSError:
+        return OSError(err, f"SSD tier of tables {self.table_names}: {action} {self.path} failed: "
+                            f"{os.strerror(err)}; rows already written are intact")
+
+    def _read(self, fd: int, records: np.ndarray) -> np.ndarray:
+        """Rows at ``records`` (any order), read in ascending runs."""
+        out = np.empty((len(records), self.width), dtype=np.float32)
+        if len(records):
+            order = np.argsort(records, kind="stable")
+            ordered = records[order]
+            sorted_out = np.empty_like(out)
+            if _read_records(fd, sorted_out, ordered, _runs(ordered)) >= 0:
+                raise self._fail("reading", errno.EIO)
+            out[order] = sorted_out
+            self.bytes_read += out.nbytes
+        return out
+
+    def _write(self, fd: int, rows: np.ndarray, records: np.ndarray, action: str = "writing") -> None:
+        """Rows to ``records`` (any order), written in ascending runs."""
+        order = np.argsort(records, kind="stable")
+        records = records[order]
+        rows = np.ascontiguousarray(rows[order], dtype=np.float32)
+        if _write_records(fd, rows, records, _runs(records)) >= 0:
+            # Repeat the write in Python to learn why (errno is not visible from numba).
+            try:
+                os.pwrite(fd, rows.tobytes(), int(records[0]) * self.record_bytes)
+                err = errno.EIO
+            except OSError as e:
+                err = e.errno
+            raise self._fail(action, err)
+        self.bytes_written += rows.nbytes
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class SsdStore(RecordFile):
+    """Rows of tables with hashed (any 64-bit) ids, as a log of records.
+
+    Every write appends the rows in one sequential ``pwrite`` and then points the
+    (table, id) index at them, so a failed write leaves the old copies in force. When
+    garbage outgrows the live rows, :meth:`compact` rewrites the live records to a fresh
+    file, chunk by chunk, and swaps it in. The index stays in DRAM: 24 bytes a slot at
+    most half full, so up to 48 bytes a stored row.
 
     Example::
 
@@ -86,68 +145,30 @@ class SsdStore:
         self, directory: str | os.PathLike, name: str, width: int, table_names: list[str],
         garbage_bytes: int = _GARBAGE_BYTES,
     ) -> None:
-        self.directory = Path(directory)
-        self.garbage_records = max(1, garbage_bytes // (width * 4))  # tolerated beyond 2x live
-        self.width = width
-        self.table_names = table_names
-        self.record_bytes = width * 4
-        self.fd = -1
-        self.path = self.directory / f"{name}.rows"
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        except OSError as e:
-            raise OSError(e.errno, f"SSD tier of tables {table_names}: cannot create files in "
-                                   f"{self.directory}: {e.strerror}") from e
+        super().__init__(directory, name, width, table_names)
+        self.garbage_records = max(1, garbage_bytes // self.record_bytes)  # tolerated beyond 2x live
         self.index = KeyIndex()
         self.records = 0  # records in the log, live or not
-        self.bytes_written = 0
-        self.bytes_read = 0
 
     def __len__(self) -> int:
         return len(self.index)
-
-    def _fail(self, action: str, err: int) -> OSError:
-        return OSError(err, f"SSD tier of tables {self.table_names}: {action} {self.path} failed: "
-                            f"{os.strerror(err)}; rows already written are intact")
 
     def read(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(found mask, rows [found, width], records)`` for the rows stored here."""
         records = self.index.lookup(ids, tables)
         found = records >= 0
-        records = records[found]
-        out = np.empty((len(records), self.width), dtype=np.float32)
-        if len(records):
-            order = np.argsort(records, kind="stable")  # ascending offsets, merged into runs
-            sorted_out = np.empty_like(out)
-            if _read_records(self.fd, sorted_out, records[order]) >= 0:
-                raise self._fail("reading", errno.EIO)
-            out[order] = sorted_out
-            self.bytes_read += out.nbytes
-        return found, out, records
+        return found, self._read(self.fd, records[found]), records[found]
 
     def write(self, tables: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
         """Store rows (unique (table, id) pairs), replacing earlier versions."""
         if not len(ids):
             return
-        rows = np.ascontiguousarray(rows, dtype=np.float32)
         records = np.arange(self.records, self.records + len(ids), dtype=np.int64)
-        self._append(self.fd, rows, records, "writing")
+        self._write(self.fd, rows, records)
         self.index.insert(ids, tables, records)  # only now do readers see the new copies
         self.records += len(ids)
-        self.bytes_written += rows.nbytes
         if self.records > 2 * len(self.index) + self.garbage_records:
             self.compact()
-
-    def _append(self, fd: int, rows: np.ndarray, records: np.ndarray, action: str) -> None:
-        if _write_records(fd, rows, records) >= 0:
-            # Repeat the write in Python to learn why (errno is not visible from numba).
-            try:
-                os.pwrite(fd, rows.tobytes(), int(records[0]) * self.record_bytes)
-                err = errno.EIO
-            except OSError as e:
-                err = e.errno
-            raise self._fail(action, err)
 
     def compact(self, chunk_rows: int = 1 << 16) -> None:
         """Rewrite the live records into a new file and swap it in, ``chunk_rows`` at a time."""
@@ -159,10 +180,8 @@ class SsdStore:
         try:
             for start in range(0, len(ids), chunk_rows):
                 part = records[start : start + chunk_rows]
-                rows = np.empty((len(part), self.width), dtype=np.float32)
-                if _read_records(self.fd, rows, part) >= 0:
-                    raise self._fail("reading", errno.EIO)
-                self._append(fd, rows, np.arange(start, start + len(part), dtype=np.int64), "compacting")
+                self._write(fd, self._read(self.fd, part), np.arange(start, start + len(part), dtype=np.int64),
+                            "compacting")
             os.replace(tmp, self.path)
         except BaseException:
             os.close(fd)
@@ -184,10 +203,46 @@ class SsdStore:
         self.index.clear()
         self.records = 0
 
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
-    def __del__(self) -> None:
-        self.close()
+class DirectSsdStore(RecordFile):
+    """Rows of tables with bounded ids, each at a fixed record: table base + id.
+
+    No index: one presence byte per possible row, in a calloc'ed array whose pages
+    cost memory only where rows were stored, so DRAM use stays flat however large the
+    tables grow. The file is sparse; rows are written in place.
+
+    Example::
+
+        store = DirectSsdStore("/nvme/run1", "dim64", width=192, table_names=["t0"],
+                               num_embeddings=[10**9])
+    """
+
+    def __init__(self, directory: str | os.PathLike, name: str, width: int, table_names: list[str],
+                 num_embeddings: list[int]) -> None:
+        super().__init__(directory, name, width, table_names)
+        self.base = np.concatenate([[0], np.cumsum(num_embeddings)[:-1]]).astype(np.int64)
+        self.present = np.zeros(int(np.sum(num_embeddings)), dtype=bool)
+
+    def __len__(self) -> int:
+        return int(np.count_nonzero(self.present))
+
+    def read(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        records = self.base[tables] + ids
+        found = self.present[records]
+        return found, self._read(self.fd, records[found]), records[found]
+
+    def write(self, tables: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
+        if not len(ids):
+            return
+        records = self.base[tables] + ids
+        self._write(self.fd, rows, records)
+        self.present[records] = True
+
+    def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        records = np.flatnonzero(self.present)
+        tables = np.searchsorted(self.base, records, side="right") - 1
+        return tables, records - self.base[tables], self._read(self.fd, records)
+
+    def clear(self) -> None:
+        os.ftruncate(self.fd, 0)
+        self.present = np.zeros_like(self.present)

@@ -21,7 +21,7 @@ from ctr_lightning.embedding.optimizers import (
 )
 from ctr_lightning.embedding.row_cache import RowCache, Rows
 from ctr_lightning.embedding.sparse_update import apply_update, state_width
-from ctr_lightning.embedding.ssd import SsdStore
+from ctr_lightning.embedding.ssd import DirectSsdStore, SsdStore
 from ctr_lightning.embedding.storage_config import StorageConfig
 
 
@@ -47,6 +47,7 @@ class TableGroup:
         device: torch.device,
         seed: int,
         global_index: list[int],
+        kernel: str = "auto",
     ) -> None:
         self.name = name
         self.tables = tables
@@ -80,11 +81,31 @@ class TableGroup:
             raise ValueError(f"tables {self.names}: a host capacity of 0 (no host tier) must hold for "
                              f"every table that shares an SSD directory and dim")
         self.host_tier = RowCache(self.width, host_caps, lfu, "cpu", reserve_rows=reserve) if needs_host else None
-        self.ssd = SsdStore(ssd_dir, name, self.width, self.names) if ssd_dir is not None else None
+        self.ssd: SsdStore | DirectSsdStore | None = None
+        if ssd_dir is not None and self.bounded.all():
+            self.ssd = DirectSsdStore(ssd_dir, name, self.width, self.names, list(self.num_embeddings))
+        elif ssd_dir is not None:
+            self.ssd = SsdStore(ssd_dir, name, self.width, self.names)
         self._pinned: list[np.ndarray] = []
+        if kernel not in ("auto", "numba", "torch"):
+            raise ValueError(f"kernel must be 'auto', 'numba' or 'torch', got {kernel!r}")
+        if kernel == "numba" and self.device_tier.device.type != "cpu":
+            raise ValueError("kernel='numba' needs the device tier in CPU memory")
+        self.kernel = kernel
+        self.use_numba = kernel == "numba" or (kernel == "auto" and self.device_tier.device.type == "cpu")
         # Autograd only calls a Function's backward when an input needs a gradient.
         self._placeholder = torch.zeros(0, requires_grad=True)
         self.stats = {"device_hits": 0, "host_hits": 0, "ssd_hits": 0, "new_rows": 0}
+
+    def move_device_tier(self, device: torch.device) -> None:
+        """Follow ``module.to(device)``: the device tier moves, the host and SSD tiers stay."""
+        if device == self.device_tier.device:
+            return
+        if self.kernel == "numba" and device.type != "cpu":
+            raise ValueError("kernel='numba' needs the device tier in CPU memory")
+        self.device_tier.values = self.device_tier.values.to(device)
+        self.device_tier.device = device
+        self.use_numba = self.kernel == "numba" or (self.kernel == "auto" and device.type == "cpu")
 
     # -- forward -------------------------------------------------------------------------
 
@@ -117,7 +138,7 @@ class TableGroup:
         if train:
             self._pinned.append(slots)
         on_grad = (lambda grad_or_ctx: self._update(slots, u_tables, grad_or_ctx)) if train else None
-        if self.device_tier.device.type == "cpu":
+        if self.use_numba:
             return self._lookup_cpu(slots, inverse, offsets, weights, batch, on_grad)
         return self._lookup_torch(slots, inverse, offsets, weights, batch, on_grad)
 

@@ -40,6 +40,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         is_weighted: whether the KJT carries per-id weights.
         device: where the device tier lives (CPU memory or a CUDA device).
         seed: initial values.
+        kernel: ``"numba"`` (fused CPU kernels, the default on CPU), ``"torch"`` (generic
+            torch ops, the default on CUDA), or ``"auto"``.
 
     Example::
 
@@ -61,6 +63,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         is_weighted: bool = False,
         device: torch.device | str | None = None,
         seed: int = 0,
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
         features = check_tables(tables, type(self).__name__)
@@ -81,10 +84,11 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._feature_names = features
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
         device = torch.device(device or "cpu")
-        # Tables that share dim, pooling and SSD directory share tiers and kernel calls.
+        # Tables that share dim, pooling, SSD directory and id space share tiers and kernel calls.
         keys: dict[tuple, list[int]] = {}
         for i, t in enumerate(tables):
-            keys.setdefault((t.embedding_dim, t.pooling, per_table[t.name].ssd_dir), []).append(i)
+            key = (t.embedding_dim, t.pooling, per_table[t.name].ssd_dir, spaces[t.name])
+            keys.setdefault(key, []).append(i)
         self._groups: list[TableGroup] = []
         self._group_tables: list[list[int]] = []
         for g, members in enumerate(keys.values()):
@@ -98,6 +102,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                 device=device,
                 seed=seed,
                 global_index=members,
+                kernel=kernel,
             ))
             self._group_tables.append(members)
         self._group_features = [[f for i in members for f in tables[i].feature_names]
@@ -150,6 +155,14 @@ class TieredEmbeddingBagCollection(nn.Module):
         if self._column_order is not None:  # groups interleave the config's feature order
             pooled = pooled.index_select(1, self._column_order.to(pooled.device))
         return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=pooled)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> TieredEmbeddingBagCollection:
+        # .to(device) / .cuda() (Lightning calls them) move the device tier with the module.
+        super()._apply(fn, recurse)
+        device = fn(torch.empty(0)).device
+        for group in self._groups:
+            group.move_device_tier(device)
+        return self
 
     # -- inspection ----------------------------------------------------------------------
 

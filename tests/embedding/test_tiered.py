@@ -106,13 +106,14 @@ def train(ebc, steps, weighted=False):
     return {t.name: ebc.rows(t.name, np.arange(ROWS)) for t in TABLES}
 
 
+@pytest.mark.parametrize("kernel", ["numba", "torch"])
 @pytest.mark.parametrize("optimizer", [SparseAdam(lr=0.05), SparseAdagrad(lr=0.1), RowWiseAdagrad(lr=0.1),
                                        SparseSGD(lr=0.05)], ids=lambda o: type(o).__name__)
-def test_matches_dense_reference_and_tiers_agree_bit_for_bit(tmp_path, optimizer):
+def test_matches_dense_reference_and_tiers_agree_bit_for_bit(tmp_path, optimizer, kernel):
     steps = 40
-    in_device = TieredEmbeddingBagCollection(TABLES, optimizer=optimizer, id_space="bounded")
+    in_device = TieredEmbeddingBagCollection(TABLES, optimizer=optimizer, id_space="bounded", kernel=kernel)
     tiered = TieredEmbeddingBagCollection(TABLES, storage=tiny_tiers(tmp_path), optimizer=optimizer,
-                                          id_space="bounded")
+                                          id_space="bounded", kernel=kernel)
     ref = Reference(in_device, optimizer, weighted=False)
     for kjt, target in workload(0, steps):
         ref_loss = loss_of_reference(ref(kjt), target)
@@ -291,3 +292,19 @@ def test_ssd_log_compacts_and_keeps_the_latest_rows(tmp_path):
     assert found.all() and len(store) == len(keys)
     np.testing.assert_array_equal(rows, np.stack([latest[k] for k in keys]))
     assert store.records <= 2 * len(keys) + 1000 + 500
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_tier_in_gpu_memory_matches_cpu(tmp_path):
+    optimizer = SparseAdam(lr=0.05)
+    cpu = TieredEmbeddingBagCollection(TABLES, storage=tiny_tiers(tmp_path / "cpu"), optimizer=optimizer)
+    gpu = TieredEmbeddingBagCollection(TABLES, storage=tiny_tiers(tmp_path / "gpu"), optimizer=optimizer).cuda()
+    assert gpu._groups[0].device_tier.values.is_cuda  # the device tier followed .cuda()
+    for kjt, target in workload(0, 20):
+        loss_of(cpu(kjt), target).backward()
+        out = gpu(kjt.to("cuda"))
+        assert out.values().is_cuda
+        loss_of(out, target.cuda()).backward()
+    for t in TABLES:
+        torch.testing.assert_close(gpu.rows(t.name, np.arange(ROWS)), cpu.rows(t.name, np.arange(ROWS)),
+                                   atol=1e-5, rtol=0)
