@@ -52,21 +52,25 @@ def configs(rows: int) -> list[EmbeddingBagConfig]:
             for i in range(TABLES)]
 
 
-def time_steps(step, warmup_batches, batches, repeats: int) -> float:
-    """Lookups/s: one warm-up pass, then the best of ``repeats`` passes over ``batches``.
+def time_interleaved(steps: dict[str, object], warmup_batches, batches, repeats: int) -> dict[str, float]:
+    """Lookups/s of each configuration: a warm-up pass each, then ``repeats`` rounds in
+    which every configuration times one pass in turn; the best pass counts.
 
-    The warm-up pass brings the working set in (first-touch rows for us, page faults and
-    allocator warm-up for everyone); the best pass damps the noise of a shared machine.
+    Interleaving exposes all configurations to the same moments of a shared machine;
+    the warm-up brings the working set in (first-touch rows for us, page faults and
+    allocator warm-up for everyone).
     """
-    for kjt in warmup_batches:
-        step(kjt)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for kjt in batches:
+    for step in steps.values():
+        for kjt in warmup_batches:
             step(kjt)
-        best = min(best, time.perf_counter() - start)
-    return len(batches) * TABLES * BATCH / best
+    best = {name: float("inf") for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for kjt in batches:
+                step(kjt)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: len(batches) * TABLES * BATCH / seconds for name, seconds in best.items()}
 
 
 def torchrec_fused(rows: int):
@@ -113,25 +117,23 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=100_000, help="rows per table")
     parser.add_argument("--warmup", type=int, default=10, help="warm-up batches")
     parser.add_argument("--steps", type=int, default=10, help="batches per timed pass")
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes; the best counts")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds; the best pass counts")
     parser.add_argument("--zipf", type=float, default=1.1, help="skew (the synthetic Criteo default)")
     args = parser.parse_args()
     warmup = zipf_batches(args.rows, args.warmup, seed=0, s=args.zipf)
     batches = zipf_batches(args.rows, args.steps, seed=1, s=args.zipf)
     print(f"{TABLES} tables x {args.rows:,} rows, dim {DIM}, batch {BATCH}, Zipf s={args.zipf}")
-    results: dict[str, float] = {}
-    _, step = torchrec_fused(args.rows)
-    results["(a) torchrec DMP fused, row-wise Adagrad"] = time_steps(step, warmup, batches, args.repeats)
-    results["(b) nn.EmbeddingBag + SparseAdam"] = time_steps(
-        torch_sparse_adam(args.rows), warmup, batches, args.repeats)
-    _, step = ours(args.rows, None)
-    results["(c) ours, Adam, all in device tier"] = time_steps(step, warmup, batches, args.repeats)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_SSD_DIR")) as ssd:
         # On a CPU machine the device tier is DRAM already: all 10% go there, no second copy.
-        storage = StorageConfig(device_rows=args.rows // 10, host_rows=0, ssd_dir=ssd)
-        ebc, step = ours(args.rows, storage)
-        results["(d) ours, Adam, 10% DRAM + SSD"] = time_steps(step, warmup, batches, args.repeats)
-        stats = ebc.tier_stats()
+        tiered, tiered_step = ours(args.rows, StorageConfig(device_rows=args.rows // 10, host_rows=0, ssd_dir=ssd))
+        steps = {
+            "(a) torchrec DMP fused, row-wise Adagrad": torchrec_fused(args.rows)[1],
+            "(b) nn.EmbeddingBag + SparseAdam": torch_sparse_adam(args.rows),
+            "(c) ours, Adam, all in device tier": ours(args.rows, None)[1],
+            "(d) ours, Adam, 10% DRAM + SSD": tiered_step,
+        }
+        results = time_interleaved(steps, warmup, batches, args.repeats)
+        stats = tiered.tier_stats()
     print(f"{'configuration':<44}{'lookups/s':>14}")
     for name, rate in results.items():
         print(f"{name:<44}{rate:>14,.0f}")
