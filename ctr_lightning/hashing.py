@@ -6,6 +6,7 @@ bit-mixing functions rather than Python's salted ``hash``.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 
 _U64 = np.uint64
@@ -22,6 +23,20 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         return z ^ (z >> _U64(31))
 
 
+@numba.njit(cache=True, inline="always")
+def splitmix64_one(x: np.uint64) -> np.uint64:
+    """:func:`splitmix64` of one uint64, for compiled loops."""
+    z = x + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def feature_salt(feature_index: int) -> np.uint64:
+    """The per-feature salt that :func:`feature_ids` mixes into values."""
+    return _U64((feature_index + 1) * 0xD6E8FEB86659FD93 & 0xFFFFFFFFFFFFFFFF)
+
+
 def mix32(x: np.ndarray) -> np.ndarray:
     """A bijection on 32-bit values (Wellons' lowbias32); keeps distinct inputs distinct."""
     z = np.asarray(x, dtype=_U64) & _MASK32
@@ -35,8 +50,7 @@ def feature_ids(values: np.ndarray, feature_index: int) -> np.ndarray:
 
     Ids are 63-bit so they stay non-negative as int64, the dtype KJTs carry.
     """
-    salt = _U64((feature_index + 1) * 0xD6E8FEB86659FD93 & 0xFFFFFFFFFFFFFFFF)
-    return (splitmix64(np.asarray(values, dtype=_U64) ^ salt) & _MASK63).astype(np.int64)
+    return (splitmix64(np.asarray(values, dtype=_U64) ^ feature_salt(feature_index)) & _MASK63).astype(np.int64)
 
 
 def uniform01(x: np.ndarray) -> np.ndarray:

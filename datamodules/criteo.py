@@ -6,68 +6,13 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from ctr_lightning.hashing import feature_ids
+from ctr_lightning.datamodules import field_decoders as fd
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
 from ctr_lightning.datamodules.sources import FileSlice
 from ctr_lightning.datamodules.stream import DecodedRows
 from ctr_lightning.datamodules.synthetic_criteo import DENSE_NAMES, SPARSE_NAMES
-
-_HEX_LUT = np.full(256, -1, dtype=np.int16)
-for _i, _c in enumerate(b"0123456789abcdef"):
-    _HEX_LUT[_c] = _i
-for _i, _c in enumerate(b"ABCDEF"):
-    _HEX_LUT[_c] = 10 + _i
-_HEX_WEIGHTS = (np.uint64(16) ** np.arange(7, -1, -1, dtype=np.uint64)).astype(np.uint64)
-# Outside the 32-bit value range, so "missing" gets its own id in every feature.
-MISSING_VALUE = np.uint64(1 << 32)
-_INT_PATTERN = r"^[+-]?[0-9]{1,18}$"
-
-
-def decode_hex32(column: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Decode an Arrow string column of 8-hex-digit values.
-
-    Returns ``(values uint64, missing, bad)``: missing for null or empty fields, bad
-    for anything that is not exactly 8 hex digits.
-    """
-    column = column.cast(pa.string()) if column.type != pa.string() else column
-    n = len(column)
-    _, offsets_buf, data_buf = column.buffers()
-    offsets = np.frombuffer(offsets_buf, dtype=np.int32, count=n + 1, offset=column.offset * 4)
-    lengths = np.diff(offsets)
-    missing = lengths == 0
-    if column.null_count:
-        missing |= np.asarray(column.is_null())
-    full = lengths == 8
-    bad = ~(missing | full)
-    values = np.full(n, MISSING_VALUE, dtype=np.uint64)
-    if full.any():
-        data = np.frombuffer(data_buf, dtype=np.uint8)
-        if full.all():
-            chars = data[offsets[0] : offsets[0] + 8 * n].reshape(n, 8)
-        else:
-            chars = data[offsets[:-1][full][:, None] + np.arange(8)]
-        nibbles = _HEX_LUT[chars]
-        not_hex = (nibbles < 0).any(axis=1)
-        decoded = (nibbles.astype(np.uint64) * _HEX_WEIGHTS).sum(axis=1, dtype=np.uint64)
-        values[full] = np.where(not_hex, MISSING_VALUE, decoded)
-        bad[np.flatnonzero(full)[not_hex]] = True
-    return values, missing, bad
-
-
-def decode_counts(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """Parse an Arrow string column of integer counts: ``(int64 values, 0 where null), bad``."""
-    try:
-        values = pc.cast(column, pa.int64())
-        bad = np.zeros(len(column), dtype=bool)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        valid = pc.fill_null(pc.match_substring_regex(column, _INT_PATTERN), True)
-        bad = ~np.asarray(valid)
-        values = pc.cast(pc.if_else(valid, column, pa.scalar(None, pa.string())), pa.int64())
-    return np.asarray(pc.fill_null(values, 0)), bad
-
 
 class CriteoFormat:
     """Reads the Criteo raw TSV layout and turns it into model-ready arrays.
@@ -87,15 +32,14 @@ class CriteoFormat:
     sparse_feature_names = SPARSE_NAMES
     num_dense_features = len(DENSE_NAMES)
 
-    def __init__(self, block_size: int = 1 << 22) -> None:
+    def __init__(self, block_size: int = 1 << 19) -> None:
         self.block_size = block_size
         names = ["label", *DENSE_NAMES, *SPARSE_NAMES]
         self._read_options = pacsv.ReadOptions(column_names=names, block_size=block_size, use_threads=False)
+        # Binary columns skip UTF-8 validation; the compiled decoders check every byte anyway.
         self._convert_options = pacsv.ConvertOptions(
-            column_types={name: pa.string() for name in names},
-            strings_can_be_null=True,
-            null_values=[""],
-        )
+            column_types={name: pa.binary() for name in names}, strings_can_be_null=False)
+        self._salts = [fd.feature_salt(f) for f in range(len(SPARSE_NAMES))]
 
     def read(self, fslice: FileSlice, on_invalid_row: Callable[[object], str]) -> Iterator[pa.RecordBatch]:
         parse = pacsv.ParseOptions(
@@ -111,24 +55,27 @@ class CriteoFormat:
             yield from reader
 
     def decode(self, batch: pa.RecordBatch) -> DecodedRows:
+        n = batch.num_rows
         problems: list[tuple[np.ndarray, str]] = []
-        label = batch.column(0)
-        is_one = np.asarray(pc.fill_null(pc.equal(label, "1"), False))
-        is_zero = np.asarray(pc.fill_null(pc.equal(label, "0"), False))
-        problems.append((~(is_one | is_zero), "label is not 0 or 1"))
-        dense = np.empty((batch.num_rows, len(DENSE_NAMES)), dtype=np.float32)
+        labels = np.empty(n, dtype=np.float32)
+        bad = np.zeros(n, dtype=bool)
+        fd.decode_labels(*fd.column_buffers(batch.column(0)), labels, bad)
+        if bad.any():
+            problems.append((bad, "label is not 0 or 1"))
+        dense = np.empty((len(DENSE_NAMES), n), dtype=np.float32)
         for j, name in enumerate(DENSE_NAMES):
-            counts, bad = decode_counts(batch.column(1 + j))
-            dense[:, j] = np.log1p(np.maximum(counts, 0))
+            bad = np.zeros(n, dtype=bool)
+            fd.decode_counts(*fd.column_buffers(batch.column(1 + j)), dense[j], bad)
             if bad.any():
                 problems.append((bad, f"{name} is not an integer"))
-        ids = np.empty((batch.num_rows, len(SPARSE_NAMES)), dtype=np.int64)
+        ids = np.empty((len(SPARSE_NAMES), n), dtype=np.int64)
         for f, name in enumerate(SPARSE_NAMES):
-            values, _, bad = decode_hex32(batch.column(1 + len(DENSE_NAMES) + f))
-            ids[:, f] = feature_ids(values, f)
+            bad = np.zeros(n, dtype=bool)
+            fd.decode_hex_ids(*fd.column_buffers(batch.column(1 + len(DENSE_NAMES) + f)), self._salts[f],
+                              ids[f], bad)
             if bad.any():
                 problems.append((bad, f"{name} is not 8 hex digits"))
-        return DecodedRows(labels=is_one.astype(np.float32), dense=dense, ids=ids, problems=problems)
+        return DecodedRows(labels=labels, dense=dense.T, ids=ids.T, problems=problems)
 
 
 class CriteoDataModule(LogDataModule):
@@ -160,7 +107,7 @@ class CriteoDataModule(LogDataModule):
         batch_size: int = 4096,
         num_workers: int = 0,
         bad_lines: str = "skip",
-        block_size: int = 1 << 22,
+        block_size: int = 1 << 19,
     ) -> None:
         super().__init__(
             log_format=CriteoFormat(block_size=block_size),

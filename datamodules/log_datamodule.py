@@ -5,11 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
-from torch.utils.data import DataLoader
 
 from ctr_lightning.datamodules.bad_lines import BadLinePolicy
 from ctr_lightning.datamodules.sources import expand_paths
-from ctr_lightning.datamodules.stream import LogFormat, LogStreamDataset
+from ctr_lightning.datamodules.stream import BatchDataLoader, LogFormat, LogStreamDataset
 
 _STAGES = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 
@@ -69,7 +68,7 @@ class LogDataModule(pl.LightningDataModule):
                 raise ValueError(f"{type(self).__name__}: stage {stage!r} needs {split}_paths")
             self.files[split] = expand_paths(paths, what=f"{split}_paths")
 
-    def _dataloader(self, split: str) -> DataLoader:
+    def _dataloader(self, split: str) -> BatchDataLoader:
         if split not in self.files:
             self.setup({"train": "fit", "val": "validate"}.get(split, split))
         trainer = self.trainer
@@ -78,21 +77,16 @@ class LogDataModule(pl.LightningDataModule):
             self.files[split], self.format, batch_size=self.batch_size, rank=rank,
             world_size=world, bad_lines=self.bad_lines,
         )
-        return DataLoader(
-            dataset,
-            batch_size=None,  # the dataset yields whole batches, built in the workers
-            num_workers=self.num_workers,
-            persistent_workers=False,
-        )
+        return BatchDataLoader(dataset, num_workers=self.num_workers)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> BatchDataLoader:
         return self._dataloader("train")
 
-    def val_dataloader(self) -> DataLoader | list:
+    def val_dataloader(self) -> BatchDataLoader | list:
         return self._dataloader("val") if self.paths["val"] else []
 
-    def test_dataloader(self) -> DataLoader:
+    def test_dataloader(self) -> BatchDataLoader:
         return self._dataloader("test")
 
-    def predict_dataloader(self) -> DataLoader:
+    def predict_dataloader(self) -> BatchDataLoader:
         return self._dataloader("predict")

@@ -42,7 +42,7 @@ class SyntheticCriteoDataModule(CriteoDataModule):
         batch_size: int = 4096,
         num_workers: int = 0,
         bad_lines: str = "skip",
-        block_size: int = 1 << 22,
+        block_size: int = 1 << 19,
     ) -> None:
         if train_rows < 1 or val_rows < 0:
             raise ValueError(f"train_rows must be >= 1 and val_rows >= 0, got {train_rows}, {val_rows}")

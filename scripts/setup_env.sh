@@ -42,7 +42,7 @@ fi
 # torchrec's metadata pins the CUDA fbgemm and an old torchmetrics: install it bare, then its light deps.
 # pip then reports that conflict ("torchrec 1.8.0 requires fbgemm-gpu ..."); it is expected and harmless.
 "${PIP[@]}" --no-deps "torchrec==$TORCHREC_VERSION" || fail "could not install torchrec==$TORCHREC_VERSION"
-"${PIP[@]}" -e ".[test]" "torch==$TORCH_VERSION" || fail "could not install ctr-lightning and its dependencies"
+"${PIP[@]}" -e ".[test,bench]" "torch==$TORCH_VERSION" || fail "could not install ctr-lightning and its dependencies"
 
 step "checking the install"
 "$VENV/bin/python" - <<'PY' || fail "the installed packages do not work together (see the error above)"

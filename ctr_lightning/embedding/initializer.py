@@ -5,15 +5,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ctr_lightning.hashing import splitmix64_one as _splitmix64
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-@numba.njit(cache=True, inline="always")
-def _splitmix64(x: np.uint64) -> np.uint64:
-    z = x + _GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
 
 
 @numba.njit(parallel=True, cache=True)

@@ -8,7 +8,7 @@ import torch
 
 from ctr_lightning import Batch
 from ctr_lightning.datamodules import BadLineError, CriteoDataModule
-from ctr_lightning.datamodules.criteo import MISSING_VALUE
+from ctr_lightning.datamodules.field_decoders import MISSING_VALUE
 from ctr_lightning.hashing import feature_ids
 
 
