@@ -91,7 +91,8 @@ class LogStreamDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[RawBatch]:
         shard, num_shards = self._shard()
-        bad = BadLineLog()
+        # Kept on the dataset, so a reader in this process can look at the counts afterwards.
+        bad = self.bad_line_log = BadLineLog()
         pending: list[DecodedRows] = []
         ready: list[DecodedRows] = []
         buffered = 0

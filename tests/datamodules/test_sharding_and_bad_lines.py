@@ -1,0 +1,119 @@
+import gzip
+import random
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from ctr_lightning.datamodules.criteo import CriteoFormat
+from ctr_lightning.datamodules.stream import BatchDataLoader, LogStreamDataset
+
+from .test_criteo import reference_rows
+
+
+def rows_of(batches):
+    """Each example as a hashable tuple (label, dense..., ids...)."""
+    out = []
+    for b in batches:
+        n = len(b)
+        ids = b.sparse.values().reshape(26, n).T.numpy()
+        for i in range(n):
+            out.append((float(b.labels[i]), *b.dense[i].tolist(), *ids[i].tolist()))
+    return out
+
+
+def reference_tuples(path):
+    labels, dense, ids = reference_rows(path)
+    return [(float(labels[i]), *dense[i].tolist(), *ids[i].tolist()) for i in range(len(labels))]
+
+
+def test_every_example_read_by_exactly_one_rank_and_worker(criteo_sample, tmp_path):
+    # Unequal files, one of them gzip, one with fewer lines than there are readers.
+    big = criteo_sample / "train_random4584.tsv"
+    head = criteo_sample / "train_head1999.tsv"
+    shutil.copy(big, tmp_path / "day_0.tsv")
+    with open(head, "rb") as f, gzip.open(tmp_path / "day_1.tsv.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    tiny = tmp_path / "day_2.tsv"
+    tiny.write_text("".join(head.read_text().splitlines(keepends=True)[:5]))
+    files = [str(tmp_path / "day_0.tsv"), str(tmp_path / "day_1.tsv.gz"), str(tiny)]
+    seen = []
+    for rank in range(2):
+        ds = LogStreamDataset(files, CriteoFormat(block_size=1 << 16), batch_size=97, rank=rank, world_size=2,
+                              bad_lines="raise")
+        seen += rows_of(BatchDataLoader(ds, num_workers=3))
+    want = reference_tuples(big) + reference_tuples(head) + reference_tuples(head)[:5]
+    assert len(seen) == len(want) == 4584 + 1999 + 5
+    assert sorted(seen) == sorted(want)
+
+
+HEX = re.compile(r"^[0-9a-fA-F]{8}$")
+COUNT = re.compile(r"^[+-]?[0-9]{1,18}$")
+
+
+def is_good(line: str) -> bool:
+    fields = line.split("\t")
+    return (len(fields) == 40 and fields[0] in ("0", "1")
+            and all(f == "" or COUNT.match(f) for f in fields[1:14])
+            and all(f == "" or HEX.match(f) for f in fields[14:]))
+
+
+def corrupt(line: str, rng: random.Random) -> str:
+    fields = line.split("\t")
+    kind = rng.randrange(10)
+    if kind == 0:
+        del fields[rng.randrange(len(fields))]
+    elif kind == 1:
+        fields.insert(rng.randrange(len(fields)), "x")
+    elif kind == 2:  # a character inside a categorical field
+        j = rng.randrange(14, 40)
+        fields[j] = (fields[j] or "0") [:-1] + rng.choice("gz-. \x00G")
+    elif kind == 3:  # a count that is not an integer
+        fields[rng.randrange(1, 14)] = rng.choice(["1.5", "abc", "-", "+", " 3", "1e3", "99999999999999999999"])
+    elif kind == 4:
+        fields[0] = rng.choice(["2", "", "01", "yes", "-1"])
+    elif kind == 5:  # truncated line
+        return line[: rng.randrange(len(line))]
+    elif kind == 6:
+        return ""
+    elif kind == 7:  # a hex field of the wrong length
+        j = rng.randrange(14, 40)
+        fields[j] = fields[j][: rng.randrange(1, 8)] if fields[j] else "abc"
+    elif kind == 8:  # random bytes anywhere (never a line break)
+        chars = list(line)
+        for _ in range(rng.randrange(1, 4)):
+            chars[rng.randrange(len(chars))] = rng.choice("\tq#;,\"'\\\x01 ")
+        return "".join(chars)
+    else:  # a change that may well leave the line valid
+        j = rng.randrange(14, 40)
+        if fields[j]:
+            fields[j] = fields[j][:-1] + rng.choice("0123456789abcdefABCDEF")
+    return "\t".join(fields)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_corruptions_never_crash_and_are_all_counted(criteo_sample, tmp_path, seed):
+    rng = random.Random(seed)
+    good_lines = (criteo_sample / "train_head1999.tsv").read_text().splitlines()
+    lines, expected_bad, good_kept = [], 0, []
+    for i in range(1200):  # 600 corrupted lines per seed, 1200 over both
+        if i % 2:
+            bad = corrupt(rng.choice(good_lines), rng)
+            lines.append(bad)
+            if is_good(bad):
+                good_kept.append(bad)
+            else:
+                expected_bad += 1
+        else:
+            lines.append(good_lines[i // 2])
+            good_kept.append(good_lines[i // 2])
+    path = tmp_path / "corrupt.tsv"
+    path.write_text("\n".join(lines) + "\n")
+    clean = tmp_path / "clean.tsv"
+    clean.write_text("\n".join(good_kept) + "\n")
+
+    ds = LogStreamDataset([str(path)], CriteoFormat(block_size=1 << 14), batch_size=64, bad_lines="skip")
+    got = rows_of(BatchDataLoader(ds, num_workers=0))
+    assert ds.bad_line_log.total == expected_bad
+    assert sorted(got) == sorted(reference_tuples(clean))
