@@ -10,7 +10,12 @@ from typing import Any
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from ctr_lightning.datamodules import CriteoDataModule, LogDataModule, SyntheticCriteoDataModule
+from ctr_lightning.datamodules import (
+    AvazuDataModule,
+    CriteoDataModule,
+    LogDataModule,
+    SyntheticCriteoDataModule,
+)
 from ctr_lightning.models import DLRMModule
 
 
@@ -41,7 +46,7 @@ class CTRLightningCLI(LightningCLI):
 def _datamodule_help() -> str:
     lines = ["DataModules (pick with --data CLASS or a config's data.class_path, then set --data.ARG VALUE;"
              " --data.help CLASS shows types and defaults):"]
-    for cls in (CriteoDataModule, SyntheticCriteoDataModule):
+    for cls in (CriteoDataModule, SyntheticCriteoDataModule, AvazuDataModule):
         args = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
         lines.append(f"  {cls.__name__}: " + ", ".join(f"--data.{a}" for a in args))
     return "\n".join(lines)

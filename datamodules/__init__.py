@@ -1,5 +1,6 @@
 """Streaming ad-log DataModules (installed as ``ctr_lightning.datamodules``)."""
 
+from ctr_lightning.datamodules.avazu import AvazuDataModule, AvazuFormat
 from ctr_lightning.datamodules.bad_lines import BadLineError
 from ctr_lightning.datamodules.criteo import CriteoDataModule, CriteoFormat
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
@@ -11,6 +12,8 @@ from ctr_lightning.datamodules.synthetic_criteo import (
 )
 
 __all__ = [
+    "AvazuDataModule",
+    "AvazuFormat",
     "BadLineError",
     "CriteoDataModule",
     "CriteoFormat",

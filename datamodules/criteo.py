@@ -10,7 +10,7 @@ import pyarrow.csv as pacsv
 
 from ctr_lightning.datamodules import field_decoders as fd
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
-from ctr_lightning.datamodules.sources import FileSlice
+from ctr_lightning.datamodules.sources import FileSlice, read_csv_blocks
 from ctr_lightning.datamodules.stream import DecodedRows
 from ctr_lightning.datamodules.synthetic_criteo import DENSE_NAMES, SPARSE_NAMES
 
@@ -29,6 +29,7 @@ class CriteoFormat:
 
     num_fields = 1 + len(DENSE_NAMES) + len(SPARSE_NAMES)
     delimiter = b"\t"
+    header_lines = 0
     sparse_feature_names = SPARSE_NAMES
     num_dense_features = len(DENSE_NAMES)
 
@@ -45,23 +46,11 @@ class CriteoFormat:
         parse = pacsv.ParseOptions(
             delimiter="\t", quote_char=False, ignore_empty_lines=False, invalid_row_handler=on_invalid_row)
         with fslice.open() as f:
-            try:
-                reader = pacsv.open_csv(f, read_options=self._read_options, parse_options=parse,
-                                        convert_options=self._convert_options)
-            except pa.ArrowInvalid as e:
-                if "Empty CSV file" in str(e):
-                    return
-                raise
-            yield from reader
+            yield from read_csv_blocks(f, self._read_options, parse, self._convert_options)
 
     def decode(self, batch: pa.RecordBatch) -> DecodedRows:
         n = batch.num_rows
-        problems: list[tuple[np.ndarray, str]] = []
-        labels = np.empty(n, dtype=np.float32)
-        bad = np.zeros(n, dtype=bool)
-        fd.decode_labels(*fd.column_buffers(batch.column(0)), labels, bad)
-        if bad.any():
-            problems.append((bad, "label is not 0 or 1"))
+        labels, problems = fd.label_column(batch.column(0), "label")
         dense = np.empty((len(DENSE_NAMES), n), dtype=np.float32)
         for j, name in enumerate(DENSE_NAMES):
             bad = np.zeros(n, dtype=bool)
@@ -81,15 +70,7 @@ class CriteoFormat:
 class CriteoDataModule(LogDataModule):
     """Streams Criteo-layout logs (``.tsv``, ``.gz``, local or fsspec URLs).
 
-    Args:
-        train_paths: files, directories or globs for training, read in name order.
-        val_paths: held-out files (train and validation are split by file).
-        test_paths: files for ``trainer.test``.
-        predict_paths: files for ``trainer.predict``.
-        batch_size: examples per batch.
-        num_workers: DataLoader worker processes per rank.
-        bad_lines: ``"skip"`` (count and log) or ``"raise"`` (stop with file:line).
-        block_size: bytes pyarrow parses at a time.
+    Arguments as :class:`LogDataModule`.
 
     Example::
 
@@ -98,24 +79,4 @@ class CriteoDataModule(LogDataModule):
         batch = next(iter(dm.train_dataloader()))   # ctr_lightning.Batch
     """
 
-    def __init__(
-        self,
-        train_paths: list[str] | str | None = None,
-        val_paths: list[str] | str | None = None,
-        test_paths: list[str] | str | None = None,
-        predict_paths: list[str] | str | None = None,
-        batch_size: int = 4096,
-        num_workers: int = 0,
-        bad_lines: str = "skip",
-        block_size: int = 1 << 19,
-    ) -> None:
-        super().__init__(
-            log_format=CriteoFormat(block_size=block_size),
-            train_paths=train_paths,
-            val_paths=val_paths,
-            test_paths=test_paths,
-            predict_paths=predict_paths,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            bad_lines=bad_lines,
-        )
+    format_class = CriteoFormat

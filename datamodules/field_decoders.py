@@ -31,6 +31,14 @@ def column_buffers(column: pa.Array) -> tuple[np.ndarray, np.ndarray]:
     return offsets, data
 
 
+def label_column(column: pa.Array, name: str) -> tuple[np.ndarray, list[tuple[np.ndarray, str]]]:
+    """0/1 labels as float32, and the problem rows (if any) for a stream's bad-line policy."""
+    labels = np.empty(len(column), dtype=np.float32)
+    bad = np.zeros(len(column), dtype=bool)
+    decode_labels(*column_buffers(column), labels, bad)
+    return labels, [(bad, f"{name} is not 0 or 1")] if bad.any() else []
+
+
 @numba.njit(cache=True)
 def decode_labels(offsets, data, out, bad) -> None:
     """``0``/``1`` to float32; anything else is bad."""
@@ -111,5 +119,18 @@ def hash_bytes_ids(offsets, data, salt, out) -> None:
         out[i] = np.int64(splitmix64_one(h ^ salt) & _MASK63)
 
 
+def hash_values(values: np.ndarray, salt: np.uint64) -> np.ndarray:
+    """Small non-negative integers (e.g. derived features) to 63-bit ids with the feature's salt."""
+    out = np.empty(len(values), dtype=np.int64)
+    _hash_values(np.ascontiguousarray(values, dtype=np.int64), salt, out)
+    return out
+
+
+@numba.njit(cache=True)
+def _hash_values(values, salt, out) -> None:
+    for i in range(len(values)):
+        out[i] = np.int64(splitmix64_one(np.uint64(values[i]) ^ salt) & _MASK63)
+
+
 __all__ = ["MISSING_VALUE", "column_buffers", "decode_counts", "decode_hex_ids", "decode_labels",
-           "feature_salt", "hash_bytes_ids"]
+           "feature_salt", "hash_bytes_ids", "hash_values", "label_column"]

@@ -16,18 +16,28 @@ _STAGES = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "pr
 class LogDataModule(pl.LightningDataModule):
     """Train/val/test/predict streams of one log format, split by file.
 
-    Subclasses pick the format and expose its arguments to the CLI.
+    Subclasses set :attr:`format_class` (or override :meth:`make_format`).
+
+    Args:
+        train_paths: files, directories or globs for training, read in name order.
+        val_paths: held-out files (train and validation are split by file).
+        test_paths: files for ``trainer.test``.
+        predict_paths: files for ``trainer.predict``.
+        batch_size: examples per batch.
+        num_workers: DataLoader worker processes per rank.
+        bad_lines: ``"skip"`` (count and log) or ``"raise"`` (stop with file:line).
+        block_size: bytes pyarrow parses at a time.
 
     Example::
 
         class MyLogs(LogDataModule):
-            def __init__(self, train_paths, batch_size=4096):
-                super().__init__(MyFormat(), train_paths=train_paths, batch_size=batch_size)
+            format_class = MyFormat
     """
+
+    format_class: type[LogFormat]
 
     def __init__(
         self,
-        log_format: LogFormat,
         train_paths: Sequence[str] | str | None = None,
         val_paths: Sequence[str] | str | None = None,
         test_paths: Sequence[str] | str | None = None,
@@ -35,6 +45,7 @@ class LogDataModule(pl.LightningDataModule):
         batch_size: int = 4096,
         num_workers: int = 0,
         bad_lines: BadLinePolicy = "skip",
+        block_size: int = 1 << 19,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -43,13 +54,17 @@ class LogDataModule(pl.LightningDataModule):
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if bad_lines not in ("skip", "raise"):
             raise ValueError(f"bad_lines must be 'skip' or 'raise', got {bad_lines!r}")
-        self.save_hyperparameters(ignore=["log_format"])
-        self.format = log_format
+        self.save_hyperparameters()
+        self.format = self.make_format(block_size)
         self.paths = {"train": train_paths, "val": val_paths, "test": test_paths, "predict": predict_paths}
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.bad_lines = bad_lines
         self.files: dict[str, list[str]] = {}
+
+    def make_format(self, block_size: int) -> LogFormat:
+        """The reader of this DataModule's log layout."""
+        return self.format_class(block_size=block_size)
 
     @property
     def sparse_feature_names(self) -> list[str]:

@@ -7,6 +7,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import fsspec
+import pyarrow as pa
+import pyarrow.csv as pacsv
 from fsspec.core import url_to_fs
 from fsspec.utils import infer_compression
 
@@ -143,3 +145,16 @@ def iter_lines(fslice: FileSlice) -> Iterator[tuple[int, bytes]]:
             pos += len(line)
             line_no += 1
             yield line_no, line.rstrip(b"\r\n")
+
+
+def read_csv_blocks(
+    f: io.IOBase, read: pacsv.ReadOptions, parse: pacsv.ParseOptions, convert: pacsv.ConvertOptions
+) -> Iterator[pa.RecordBatch]:
+    """Record batches of a delimited file, block by block; an empty file yields none."""
+    try:
+        reader = pacsv.open_csv(f, read_options=read, parse_options=parse, convert_options=convert)
+    except pa.ArrowInvalid as e:
+        if "Empty CSV file" in str(e):
+            return
+        raise
+    yield from reader

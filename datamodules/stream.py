@@ -37,6 +37,7 @@ class LogFormat(Protocol):
 
     num_fields: int
     delimiter: bytes
+    header_lines: int  # lines at the top of each file that are not records
     sparse_feature_names: tuple[str, ...]
     num_dense_features: int
 
@@ -168,9 +169,10 @@ class LogStreamDataset(IterableDataset):
         """Line number and text of the nth wrong-width (or nth well-formed) line of a slice."""
         width = self.format.num_fields
         delimiter = self.format.delimiter
+        header = self.format.header_lines
         lines = (
             (n, line) for n, line in iter_lines(fslice)
-            if (line.count(delimiter) + 1 != width) == wrong_width
+            if n > header and (line.count(delimiter) + 1 != width) == wrong_width
         )
         return next(itertools.islice(lines, nth, None), (None, None))
 

@@ -69,3 +69,22 @@ def test_missing_data_path_fails_naming_it(tmp_path):
     )
     assert result.returncode != 0
     assert f"train_paths path '{missing}' matches no file" in result.stderr
+
+
+@pytest.mark.parametrize("config,train,val", [
+    ("configs/avazu.yaml", "avazu_sample/train_head100.csv", "avazu_sample/train_head100.csv"),
+    ("configs/criteo.yaml", "criteo_kaggle_sample/train_head1999.tsv", "criteo_kaggle_sample/train_head1999.tsv"),
+])
+def test_shipped_configs_train_on_the_real_samples(tmp_path, config, train, val):
+    data = ROOT.parent / "shared" / "data"
+    if not (data / train).is_file():
+        pytest.skip(f"real sample {data / train} not found")
+    result = run_cli(
+        "fit", "--config", config, "--data.train_paths", f"[{data / train}]", "--data.val_paths", f"[{data / val}]",
+        "--data.batch_size", "256", "--data.num_workers", "0", "--model.embedding_dim", "8",
+        "--model.dense_arch_layer_sizes", "[8]", "--model.over_arch_layer_sizes", "[16, 1]",
+        "--trainer.max_epochs", "1", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+        "--trainer.enable_progress_bar", "false",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "val/auc=" in result.stdout + result.stderr

@@ -1,0 +1,89 @@
+import datetime
+import gzip
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ctr_lightning.datamodules import AvazuDataModule, BadLineError
+from ctr_lightning.datamodules.avazu import AVAZU_SPARSE
+from ctr_lightning.datamodules.field_decoders import feature_salt
+from ctr_lightning.hashing import splitmix64
+
+SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "avazu_sample" / "train_head100.csv"
+
+
+@pytest.fixture
+def avazu_sample():
+    if not SAMPLE.is_file():
+        pytest.skip(f"real Avazu sample not found at {SAMPLE}")
+    return SAMPLE
+
+
+def fnv_id(value: bytes, feature: int) -> int:
+    h = 0xCBF29CE484222325
+    for byte in value:
+        h = ((h ^ byte) * 0x100000001B3) & (2**64 - 1)
+    return int(splitmix64(np.array([h], dtype=np.uint64) ^ feature_salt(feature))[0]) & (2**63 - 1)
+
+
+def small_id(value: int, feature: int) -> int:
+    return int(splitmix64(np.array([value], dtype=np.uint64) ^ feature_salt(feature))[0]) & (2**63 - 1)
+
+
+def reference(path):
+    lines = path.read_text().splitlines()[1:]
+    labels, ids = [], []
+    for line in lines:
+        f = line.split(",")
+        when = datetime.datetime.strptime("20" + f[2], "%Y%m%d%H")
+        row = [small_id(when.hour, 0), small_id(when.weekday(), 1)]
+        row += [fnv_id(v.encode(), 2 + k) for k, v in enumerate(f[3:])]
+        labels.append(float(f[1]))
+        ids.append(row)
+    return np.array(labels, np.float32), np.array(ids, np.int64)
+
+
+def collect(dm):
+    dm.setup("fit")
+    labels, ids = [], []
+    for batch in dm.train_dataloader():
+        n = len(batch)
+        assert batch.dense.shape == (n, 0)
+        assert batch.sparse.keys() == list(AVAZU_SPARSE)
+        labels.append(batch.labels.numpy())
+        ids.append(batch.sparse.values().reshape(len(AVAZU_SPARSE), n).T.numpy())
+    return np.concatenate(labels), np.concatenate(ids)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_reads_real_avazu_sample_exactly(avazu_sample, tmp_path, num_workers):
+    # Two copies, one gzip: the header of each is consumed, in every shard of either.
+    shutil.copy(avazu_sample, tmp_path / "a.csv")
+    with open(avazu_sample, "rb") as f, gzip.open(tmp_path / "b.csv.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    dm = AvazuDataModule(train_paths=[str(tmp_path)], batch_size=32, num_workers=num_workers, bad_lines="raise")
+    labels, ids = collect(dm)
+    want_labels, want_ids = reference(avazu_sample)
+    assert len(labels) == 200
+    got = sorted(zip(labels.tolist(), map(tuple, ids.tolist())))
+    want = sorted(zip(want_labels.tolist() * 2, map(tuple, want_ids.tolist() * 2)))
+    assert got == want
+
+
+def test_bad_hour_and_header_name_file_and_line(avazu_sample, tmp_path):
+    lines = avazu_sample.read_text().splitlines()
+    fields = lines[5].split(",")
+    fields[2] = "14109900"
+    lines[5] = ",".join(fields)
+    path = tmp_path / "bad.csv"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(BadLineError, match=f"{path}:6: hour is not YYMMDDHH"):
+        collect(AvazuDataModule(train_paths=[str(path)], bad_lines="raise"))
+    labels, _ = collect(AvazuDataModule(train_paths=[str(path)], bad_lines="skip"))
+    assert len(labels) == 99
+    headless = tmp_path / "headless.csv"
+    headless.write_text("\n".join(lines[1:]) + "\n")
+    with pytest.raises(BadLineError, match=f"{headless}:1: expected the Avazu header"):
+        collect(AvazuDataModule(train_paths=[str(headless)]))
