@@ -28,6 +28,7 @@ def reference_tuples(path):
     return [(float(labels[i]), *dense[i].tolist(), *ids[i].tolist()) for i in range(len(labels))]
 
 
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # 3 on purpose
 def test_every_example_read_by_exactly_one_rank_and_worker(criteo_sample, tmp_path):
     # Unequal files, one of them gzip, one with fewer lines than there are readers.
     big = criteo_sample / "train_random4584.tsv"
