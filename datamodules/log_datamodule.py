@@ -27,6 +27,10 @@ class LogDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes per rank.
         bad_lines: ``"skip"`` (count and log) or ``"raise"`` (stop with file:line).
         block_size: bytes pyarrow parses at a time.
+        online: time-ordered training: ``train_paths`` are successive time slices (one
+            file or glob match per day, in name order); epoch k trains on slice k and
+            validates on slice k + 1 (progressive validation). Needs
+            ``Trainer(reload_dataloaders_every_n_epochs=1)`` and no ``val_paths``.
 
     Example::
 
@@ -46,8 +50,11 @@ class LogDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         bad_lines: BadLinePolicy = "skip",
         block_size: int = 1 << 19,
+        online: bool = False,
     ) -> None:
         super().__init__()
+        if online and val_paths:
+            raise ValueError("online mode validates each day on the next one: give train_paths only, not val_paths")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
@@ -60,7 +67,9 @@ class LogDataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.bad_lines = bad_lines
+        self.online = online
         self.files: dict[str, list[str]] = {}
+        self.epoch_files: dict[str, list[str]] = {}  # what each split's latest loader reads
 
     def make_format(self, block_size: int) -> LogFormat:
         """The reader of this DataModule's log layout."""
@@ -82,14 +91,38 @@ class LogDataModule(pl.LightningDataModule):
                     continue  # fitting without validation is allowed
                 raise ValueError(f"{type(self).__name__}: stage {stage!r} needs {split}_paths")
             self.files[split] = expand_paths(paths, what=f"{split}_paths")
+        if self.online and stage == "fit":
+            self.setup_online()
+
+    def setup_online(self) -> None:
+        """Check that the Trainer reloads loaders every epoch and that enough slices exist."""
+        trainer = self.trainer
+        if trainer is not None and trainer.reload_dataloaders_every_n_epochs != 1:
+            raise ValueError("online mode needs Trainer(reload_dataloaders_every_n_epochs=1), got "
+                             f"{trainer.reload_dataloaders_every_n_epochs}")
+        days = self.files["train"]
+        if len(days) < 2:
+            raise ValueError(f"online mode needs at least two time slices in train_paths, got {days}")
+
+    def online_files(self, split: str) -> list[str]:
+        """This epoch's slice: day k for training, day k + 1 for validation."""
+        days = self.files["train"]
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        day = epoch + (1 if split == "val" else 0)
+        if day >= len(days):
+            raise ValueError(f"online mode: epoch {epoch} needs time slice {day}, but train_paths has "
+                             f"{len(days)} ({days[0]} .. {days[-1]}); use max_epochs <= {len(days) - 1}")
+        return [days[day]]
 
     def _dataloader(self, split: str) -> BatchDataLoader:
-        if split not in self.files:
+        if split not in self.files and not (self.online and split == "val"):
             self.setup({"train": "fit", "val": "validate"}.get(split, split))
+        files = self.files[split] if not self.online else self.online_files(split)
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        self.epoch_files[split] = files
         dataset = LogStreamDataset(
-            self.files[split], self.format, batch_size=self.batch_size, rank=rank,
+            files, self.format, batch_size=self.batch_size, rank=rank,
             world_size=world, bad_lines=self.bad_lines,
         )
         return BatchDataLoader(dataset, num_workers=self.num_workers)
@@ -98,7 +131,7 @@ class LogDataModule(pl.LightningDataModule):
         return self._dataloader("train")
 
     def val_dataloader(self) -> BatchDataLoader | list:
-        return self._dataloader("val") if self.paths["val"] else []
+        return self._dataloader("val") if self.paths["val"] or self.online else []
 
     def test_dataloader(self) -> BatchDataLoader:
         return self._dataloader("test")
