@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as pl
+import torch
 
 from ctr_lightning.datamodules.bad_lines import BadLinePolicy
 from ctr_lightning.datamodules.sources import expand_paths
@@ -70,6 +72,8 @@ class LogDataModule(pl.LightningDataModule):
         self.online = online
         self.files: dict[str, list[str]] = {}
         self.epoch_files: dict[str, list[str]] = {}  # what each split's latest loader reads
+        self._train_loader: BatchDataLoader | None = None
+        self._resume: dict[str, Any] | None = None  # a checkpoint's position, until used
 
     def make_format(self, block_size: int) -> LogFormat:
         """The reader of this DataModule's log layout."""
@@ -121,11 +125,61 @@ class LogDataModule(pl.LightningDataModule):
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         self.epoch_files[split] = files
+        skip = self._take_resume(files, rank, world) if split == "train" else None
         dataset = LogStreamDataset(
             files, self.format, batch_size=self.batch_size, rank=rank,
-            world_size=world, bad_lines=self.bad_lines,
+            world_size=world, bad_lines=self.bad_lines, skip_batches=skip,
         )
-        return BatchDataLoader(dataset, num_workers=self.num_workers)
+        loader = BatchDataLoader(dataset, num_workers=self.num_workers)
+        if split == "train":
+            self._train_loader = loader
+        return loader
+
+    # -- exact resume ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where training stands in this epoch's data: batches delivered per shard.
+
+        Counts only batches whose training step ran (Lightning reads one batch ahead), so a
+        run resumed from this checkpoint sees exactly the examples not yet trained on.
+        """
+        trainer, loader = self.trainer, self._train_loader
+        if trainer is None or loader is None:
+            return {}
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        shard_batches = loader.position(done)
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1:
+            # Every rank builds the checkpoint; rank 0 writes it, so it must hold all shards.
+            parts: list[dict[int, int]] = [{} for _ in range(trainer.world_size)]
+            torch.distributed.all_gather_object(parts, shard_batches)
+            shard_batches = {k: v for part in parts for k, v in part.items()}
+        return {
+            "epoch": trainer.current_epoch,
+            "files": self.epoch_files.get("train", []),
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "num_workers": self.num_workers,
+            "batch_size": self.batch_size,
+            "shard_batches": shard_batches,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resume = dict(state_dict) or None
+
+    def _take_resume(self, files: list[str], rank: int, world: int) -> dict[int, int] | None:
+        state, self._resume = self._resume, None
+        if not state:
+            return None
+        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        if state["epoch"] != epoch:
+            return None  # the checkpoint closed its epoch; this one starts fresh
+        layout = (state["files"], state["world_size"], state["num_workers"], state["batch_size"])
+        if layout != (files, world, self.num_workers, self.batch_size):
+            raise ValueError(
+                "cannot resume mid-epoch: the checkpoint read files/world_size/num_workers/batch_size "
+                f"{layout}, this run {(files, world, self.num_workers, self.batch_size)}; resume with the "
+                "same layout or from an end-of-epoch checkpoint")
+        return {int(k): v for k, v in state["shard_batches"].items()}
 
     def train_dataloader(self) -> BatchDataLoader:
         return self._dataloader("train")

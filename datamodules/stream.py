@@ -69,6 +69,7 @@ class LogStreamDataset(IterableDataset):
         bad_lines: BadLinePolicy = "skip",
         drop_last: bool = False,
         message_rows: int = 1 << 16,
+        skip_batches: dict[int, int] | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -84,6 +85,8 @@ class LogStreamDataset(IterableDataset):
         # Workers ship about message_rows rows at a time: the per-message cost of
         # inter-process transfer is fixed, so fewer, larger messages read faster.
         self.batches_per_message = max(1, message_rows // batch_size)
+        # Batches each shard already delivered before a restart: read again, not sent again.
+        self.skip_batches = dict(skip_batches or {})
 
     def _shard(self) -> tuple[int, int]:
         info = get_worker_info()
@@ -94,24 +97,33 @@ class LogStreamDataset(IterableDataset):
         shard, num_shards = self._shard()
         # Kept on the dataset, so a reader in this process can look at the counts afterwards.
         bad = self.bad_line_log = BadLineLog()
+        skip = self.skip_batches.get(shard, 0)
         pending: list[DecodedRows] = []
         ready: list[DecodedRows] = []
         buffered = 0
+
+        def cut(rows: int) -> None:
+            nonlocal pending, skip
+            batch, pending = _take(pending, rows)
+            if skip:
+                skip -= 1
+            else:
+                ready.append(batch)
+
         for fslice in plan_slices(self.paths, shard, num_shards):
             for rows in self._read_slice(fslice, bad):
                 pending.append(rows)
                 buffered += len(rows.labels)
                 while buffered >= self.batch_size:
-                    batch, pending = _take(pending, self.batch_size)
+                    cut(self.batch_size)
                     buffered -= self.batch_size
-                    ready.append(batch)
                     if len(ready) == self.batches_per_message:
-                        yield RawBatch.pack(ready)
+                        yield RawBatch.pack(ready, shard)
                         ready = []
         if buffered and not self.drop_last:
-            ready.append(_take(pending, buffered)[0])
+            cut(buffered)
         if ready:
-            yield RawBatch.pack(ready)
+            yield RawBatch.pack(ready, shard)
         bad.summarise(f"reader rank={self.rank} shard={shard}/{num_shards} pid={os.getpid()}")
 
     def _read_slice(self, fslice: FileSlice, bad: BadLineLog) -> Iterator[DecodedRows]:
@@ -192,9 +204,10 @@ class RawBatch(NamedTuple):
     rows: tuple[int, ...]
     num_dense: int
     num_sparse: int
+    shard: int  # the (rank, worker) shard that read it, for exact resume
 
     @staticmethod
-    def pack(batches: list[DecodedRows]) -> RawBatch:
+    def pack(batches: list[DecodedRows], shard: int) -> RawBatch:
         f, d = batches[0].ids.shape[1], batches[0].dense.shape[1]
         per_row = 8 * f + 4 * d + 4
         buffer = np.empty(per_row * sum(len(b.labels) for b in batches), dtype=np.uint8)
@@ -206,7 +219,7 @@ class RawBatch(NamedTuple):
             buffer[ids_end:dense_end].view(np.float32).reshape(n, d)[:] = b.dense
             buffer[dense_end : dense_end + 4 * n].view(np.float32)[:] = b.labels
             start = dense_end + 4 * n
-        return RawBatch(torch.from_numpy(buffer), tuple(len(b.labels) for b in batches), d, f)
+        return RawBatch(torch.from_numpy(buffer), tuple(len(b.labels) for b in batches), d, f, shard)
 
     def to_batches(self, keys: list[str]) -> Iterator[Batch]:
         d, f = self.num_dense, self.num_sparse
@@ -235,11 +248,23 @@ class BatchDataLoader(DataLoader):
     def __init__(self, dataset: LogStreamDataset, **kwargs: Any) -> None:
         kwargs["batch_size"] = None  # the dataset yields whole batches, built in the workers
         super().__init__(dataset, **kwargs)
+        self.shard_log: list[int] = []  # the shard of every batch handed out, in order
 
     def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]
         keys = list(self.dataset.format.sparse_feature_names)
+        self.shard_log = []
         for raw in super().__iter__():
-            yield from RawBatch(*raw).to_batches(keys)
+            raw = RawBatch(*raw)
+            for batch in raw.to_batches(keys):
+                self.shard_log.append(raw.shard)
+                yield batch
+
+    def position(self, batches: int) -> dict[int, int]:
+        """Batches per shard among the first ``batches`` handed out this pass."""
+        counts: dict[int, int] = {}
+        for shard in self.shard_log[:batches]:
+            counts[shard] = counts.get(shard, 0) + 1
+        return counts
 
 
 def _take(pending: list[DecodedRows], n: int) -> tuple[DecodedRows, list[DecodedRows]]:

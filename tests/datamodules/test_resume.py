@@ -1,0 +1,67 @@
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ctr_lightning.datamodules import CriteoDataModule, write_synthetic_criteo
+from ctr_lightning.models import DLRMModule
+
+
+class SeenExamples(pl.Callback):
+    """Records every training example (as its ids) in the order the model sees them."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, ...]] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        n = len(batch)
+        ids = batch.sparse.values().reshape(26, n).T
+        self.seen += [tuple(row) for row in ids.tolist()]
+
+
+def model():
+    return DLRMModule(num_embeddings=1000, embedding_dim=4, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
+
+
+def trainer(tmp_path, callbacks, **kwargs):
+    return pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=tmp_path, callbacks=callbacks, **kwargs)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resumed_run_sees_exactly_the_remaining_examples(tmp_path, num_workers):
+    # Three files of unequal size; 3 small messages per worker so several are in flight.
+    for day, rows in enumerate([1500, 900, 1300]):
+        write_synthetic_criteo(tmp_path / f"day_{day}.tsv", rows=rows, seed=0, stream=day)
+    def datamodule():
+        dm = CriteoDataModule(train_paths=str(tmp_path / "day_*.tsv"), batch_size=100, num_workers=num_workers)
+        return dm
+
+    first = SeenExamples()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=13, save_top_k=-1)
+    # The first run "dies" after 13 steps: its checkpoint is all that is left of it.
+    trainer(tmp_path, [first, ckpt], max_steps=13).fit(model(), datamodule=datamodule())
+    path = next((tmp_path / "ckpt").glob("*step=13*.ckpt"))
+    assert len(first.seen) == 13 * 100
+
+    second = SeenExamples()
+    trainer(tmp_path, [second], max_epochs=1).fit(model(), datamodule=datamodule(), ckpt_path=str(path))
+
+    everything = SeenExamples()
+    trainer(tmp_path, [everything], max_epochs=1).fit(model(), datamodule=datamodule())
+    assert len(everything.seen) == 3700
+    assert len(first.seen) + len(second.seen) == 3700  # none lost, none repeated
+    assert sorted(first.seen + second.seen) == sorted(everything.seen)
+    assert not set(first.seen) & set(second.seen)
+
+
+def test_mid_epoch_resume_with_another_layout_is_a_clear_error(tmp_path):
+    write_synthetic_criteo(tmp_path / "day_0.tsv", rows=1000, seed=0)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3)
+    trainer(tmp_path, [ckpt], max_steps=3).fit(
+        model(), datamodule=CriteoDataModule(train_paths=str(tmp_path / "day_0.tsv"), batch_size=100))
+    path = next((tmp_path / "ckpt").glob("*.ckpt"))
+    with pytest.raises(ValueError, match="cannot resume mid-epoch"):
+        trainer(tmp_path, [], max_epochs=1).fit(
+            model(), datamodule=CriteoDataModule(train_paths=str(tmp_path / "day_0.tsv"), batch_size=50),
+            ckpt_path=str(path))
