@@ -73,6 +73,7 @@ class LogDataModule(pl.LightningDataModule):
         self.files: dict[str, list[str]] = {}
         self.epoch_files: dict[str, list[str]] = {}  # what each split's latest loader reads
         self._train_loader: BatchDataLoader | None = None
+        self._sync_group: Any = None  # set up in a distributed fit, to keep ranks' batch counts equal
         self._resume: dict[str, Any] | None = None  # a checkpoint's position, until used
 
     def make_format(self, block_size: int) -> LogFormat:
@@ -97,6 +98,11 @@ class LogDataModule(pl.LightningDataModule):
             self.files[split] = expand_paths(paths, what=f"{split}_paths")
         if self.online and stage == "fit":
             self.setup_online()
+        trainer = self.trainer
+        if (stage == "fit" and self._sync_group is None and trainer is not None and trainer.world_size > 1
+                and torch.distributed.is_available() and torch.distributed.is_initialized()):
+            # A CPU (gloo) group of its own: the default group may be NCCL.
+            self._sync_group = torch.distributed.new_group(backend="gloo")
 
     def setup_online(self) -> None:
         """Check that the Trainer reloads loaders every epoch and that enough slices exist."""
@@ -130,7 +136,8 @@ class LogDataModule(pl.LightningDataModule):
             files, self.format, batch_size=self.batch_size, rank=rank,
             world_size=world, bad_lines=self.bad_lines, skip_batches=skip,
         )
-        loader = BatchDataLoader(dataset, num_workers=self.num_workers)
+        sync = self._sync_group if split == "train" else None
+        loader = BatchDataLoader(dataset, sync_group=sync, num_workers=self.num_workers)
         if split == "train":
             self._train_loader = loader
         return loader

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ctr_lightning.batch import Batch
 from ctr_lightning.datamodules.bad_lines import MAX_EXAMPLES, BadLineError, BadLineLog, BadLinePolicy
 from ctr_lightning.datamodules.sources import FileSlice, iter_lines, plan_slices
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -238,6 +241,12 @@ class RawBatch(NamedTuple):
 class BatchDataLoader(DataLoader):
     """A DataLoader over a :class:`LogStreamDataset` that yields :class:`~ctr_lightning.Batch` es.
 
+    With ``sync_group`` (a gloo process group over all ranks), every rank yields the same
+    number of batches: before each batch the ranks agree that all of them still have one,
+    and the first to run out ends the pass for everyone, so the last collective of an
+    epoch never waits for a rank that has finished. The batches the other ranks hold back
+    then are counted and logged, never dropped silently.
+
     Example::
 
         loader = BatchDataLoader(LogStreamDataset(["day_0.tsv"], CriteoFormat(), batch_size=4096),
@@ -245,19 +254,43 @@ class BatchDataLoader(DataLoader):
         for batch in loader: ...
     """
 
-    def __init__(self, dataset: LogStreamDataset, **kwargs: Any) -> None:
+    def __init__(self, dataset: LogStreamDataset, sync_group: Any = None, **kwargs: Any) -> None:
         kwargs["batch_size"] = None  # the dataset yields whole batches, built in the workers
         super().__init__(dataset, **kwargs)
+        self.sync_group = sync_group
         self.shard_log: list[int] = []  # the shard of every batch handed out, in order
+        self.held_back = (0, 0)  # (batches, examples) of the last pass not handed out to keep ranks even
 
-    def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]
+    def _batches(self) -> Iterator[tuple[int, Batch]]:
         keys = list(self.dataset.format.sparse_feature_names)
-        self.shard_log = []
         for raw in super().__iter__():
             raw = RawBatch(*raw)
             for batch in raw.to_batches(keys):
-                self.shard_log.append(raw.shard)
-                yield batch
+                yield raw.shard, batch
+
+    def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]
+        self.shard_log = []
+        self.held_back = (0, 0)
+        batches = self._batches()
+        while True:
+            item = next(batches, None)
+            if self.sync_group is not None and not _all_ranks_have(item is not None, self.sync_group):
+                if item is not None:
+                    self._hold_back(item, batches)
+                return
+            if item is None:
+                return
+            self.shard_log.append(item[0])
+            yield item[1]
+
+    def _hold_back(self, item: tuple[int, Batch], rest: Iterator[tuple[int, Batch]]) -> None:
+        count, examples = 1, len(item[1])
+        for _, batch in rest:
+            count, examples = count + 1, examples + len(batch)
+        self.held_back = (count, examples)
+        log.warning(
+            "rank %d: another rank ran out of data first; %d batches (%d examples) of this epoch were not "
+            "used, to keep every rank at the same step count", self.dataset.rank, count, examples)
 
     def position(self, batches: int) -> dict[int, int]:
         """Batches per shard among the first ``batches`` handed out this pass."""
@@ -289,3 +322,9 @@ def _take(pending: list[DecodedRows], n: int) -> tuple[DecodedRows, list[Decoded
         np.concatenate([t.ids for t in taken]),
         [],
     ), pending
+
+
+def _all_ranks_have(have: bool, group: Any) -> bool:
+    flag = torch.tensor([1 if have else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag.item())
