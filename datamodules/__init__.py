@@ -4,6 +4,7 @@ from ctr_lightning.datamodules.avazu import AvazuDataModule, AvazuFormat
 from ctr_lightning.datamodules.bad_lines import BadLineError
 from ctr_lightning.datamodules.criteo import CriteoDataModule, CriteoFormat
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
+from ctr_lightning.datamodules.parquet import ParquetDataModule, ParquetFormat
 from ctr_lightning.datamodules.synthetic_datamodule import SyntheticCriteoDataModule
 from ctr_lightning.datamodules.synthetic_criteo import (
     SyntheticCriteo,
@@ -18,6 +19,8 @@ __all__ = [
     "CriteoDataModule",
     "CriteoFormat",
     "LogDataModule",
+    "ParquetDataModule",
+    "ParquetFormat",
     "SyntheticCriteo",
     "SyntheticCriteoDataModule",
     "SyntheticCriteoSpec",

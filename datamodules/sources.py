@@ -67,13 +67,16 @@ class FileSlice:
         return _LineRange(fsspec.open(self.path, "rb").open(), self.start, self.end)
 
 
-def plan_slices(paths: Sequence[str], shard: int, num_shards: int) -> list[FileSlice]:
-    """The slices of ``paths`` that shard ``shard`` of ``num_shards`` reads, in file order."""
+def plan_slices(paths: Sequence[str], shard: int, num_shards: int, line_based: bool = True) -> list[FileSlice]:
+    """The slices of ``paths`` that shard ``shard`` of ``num_shards`` reads, in file order.
+
+    Line-based files are cut by byte ranges; compressed and columnar ones by stripes.
+    """
     if not 0 <= shard < num_shards:
         raise ValueError(f"shard {shard} outside [0, {num_shards})")
     slices = []
     for path in paths:
-        if infer_compression(path) is not None:
+        if infer_compression(path) is not None or not line_based:
             slices.append(FileSlice(path, stripe=shard, stripes=num_shards))
             continue
         fs, root = url_to_fs(path)

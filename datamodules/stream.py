@@ -23,6 +23,28 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class JaggedIds:
+    """A multi-hot feature of n rows: ``lengths[i]`` ids of row i, all in ``values``."""
+
+    lengths: np.ndarray  # [n] int32
+    values: np.ndarray  # [lengths.sum()] int64
+
+    def _offsets(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
+
+    def slice(self, start: int, stop: int) -> JaggedIds:
+        offsets = self._offsets()
+        return JaggedIds(self.lengths[start:stop], self.values[offsets[start] : offsets[stop]])
+
+    def select(self, keep: np.ndarray) -> JaggedIds:
+        return JaggedIds(self.lengths[keep], self.values[np.repeat(keep, self.lengths)])
+
+    @staticmethod
+    def concat(parts: list[JaggedIds]) -> JaggedIds:
+        return JaggedIds(np.concatenate([p.lengths for p in parts]), np.concatenate([p.values for p in parts]))
+
+
+@dataclass
 class DecodedRows:
     """Model-ready arrays for one record batch, with the rows that failed validation.
 
@@ -31,8 +53,30 @@ class DecodedRows:
 
     labels: np.ndarray  # [n] float32
     dense: np.ndarray  # [n, num_dense] float32
-    ids: np.ndarray  # [n, num_sparse] int64, one id per categorical feature
+    ids: np.ndarray  # [n, num_one_hot] int64, one id per one-hot categorical feature
     problems: list[tuple[np.ndarray, str]]
+    jagged: tuple[JaggedIds, ...] = ()  # multi-hot features, after the one-hot ones
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def slice(self, start: int, stop: int) -> DecodedRows:
+        return DecodedRows(self.labels[start:stop], self.dense[start:stop], self.ids[start:stop], [],
+                           tuple(j.slice(start, stop) for j in self.jagged))
+
+    def select(self, keep: np.ndarray) -> DecodedRows:
+        return DecodedRows(self.labels[keep], self.dense[keep], self.ids[keep], [],
+                           tuple(j.select(keep) for j in self.jagged))
+
+    @staticmethod
+    def concat(parts: list[DecodedRows]) -> DecodedRows:
+        return DecodedRows(
+            np.concatenate([p.labels for p in parts]),
+            np.concatenate([p.dense for p in parts]),
+            np.concatenate([p.ids for p in parts]),
+            [],
+            tuple(JaggedIds.concat([p.jagged[k] for p in parts]) for k in range(len(parts[0].jagged))),
+        )
 
 
 class LogFormat(Protocol):
@@ -113,7 +157,7 @@ class LogStreamDataset(IterableDataset):
             else:
                 ready.append(batch)
 
-        for fslice in plan_slices(self.paths, shard, num_shards):
+        for fslice in plan_slices(self.paths, shard, num_shards, getattr(self.format, "line_based", True)):
             for rows in self._read_slice(fslice, bad):
                 pending.append(rows)
                 buffered += len(rows.labels)
@@ -166,7 +210,7 @@ class LogStreamDataset(IterableDataset):
                 if len(bad_rows):
                     keep = np.ones(len(rows.labels), dtype=bool)
                     keep[bad_rows] = False
-                    rows = DecodedRows(rows.labels[keep], rows.dense[keep], rows.ids[keep], [])
+                    rows = rows.select(keep)
             if len(rows.labels):
                 yield rows
             accepted_before += record_batch.num_rows
@@ -181,7 +225,11 @@ class LogStreamDataset(IterableDataset):
         return f"expected {self.format.num_fields} fields, found {fields}"
 
     def _locate(self, fslice: FileSlice, nth: int, wrong_width: bool) -> tuple[int | None, bytes | None]:
-        """Line number and text of the nth wrong-width (or nth well-formed) line of a slice."""
+        """Line number and text of the nth wrong-width (or nth well-formed) line of a slice.
+
+        For formats without lines (Parquet), the row number in the file."""
+        if not getattr(self.format, "line_based", True):
+            return nth + 1, None
         width = self.format.num_fields
         delimiter = self.format.delimiter
         header = self.format.header_lines
@@ -198,44 +246,75 @@ class RawBatch(NamedTuple):
 
     One tensor means one shared-memory segment per message between processes, and a few
     batches per message spread its fixed cost; the KJTs are built on the receiving side,
-    where their constant lengths cost nothing to ship. Each batch is laid out as
-    ids int64 [features * n] (feature-major, as a KJT keeps them) | dense float32 [n, d] |
-    labels float32 [n].
+    where the constant lengths of one-hot features cost nothing to ship. Each batch is
+    laid out as ids int64 [one-hot features * n, then every multi-hot feature's values]
+    (feature-major, as a KJT keeps them) | multi-hot lengths int32 [multi-hot * n] |
+    dense float32 [n, d] | labels float32 [n], padded to 8 bytes.
     """
 
     buffer: torch.Tensor
     rows: tuple[int, ...]
     num_dense: int
-    num_sparse: int
+    num_sparse: int  # one-hot features
     shard: int  # the (rank, worker) shard that read it, for exact resume
+    jagged_values: tuple[int, ...] = ()  # per batch: ids of all multi-hot features together
+    num_jagged: int = 0
 
     @staticmethod
     def pack(batches: list[DecodedRows], shard: int) -> RawBatch:
-        f, d = batches[0].ids.shape[1], batches[0].dense.shape[1]
-        per_row = 8 * f + 4 * d + 4
-        buffer = np.empty(per_row * sum(len(b.labels) for b in batches), dtype=np.uint8)
+        f, d, j = batches[0].ids.shape[1], batches[0].dense.shape[1], len(batches[0].jagged)
+        sizes = [_padded(8 * (f * len(b) + sum(len(x.values) for x in b.jagged)) + 4 * (j + d + 1) * len(b))
+                 for b in batches]
+        buffer = np.empty(sum(sizes), dtype=np.uint8)
         start = 0
-        for b in batches:
-            n = len(b.labels)
-            ids_end, dense_end = start + 8 * f * n, start + 8 * f * n + 4 * d * n
-            buffer[start:ids_end].view(np.int64).reshape(f, n)[:] = b.ids.T
-            buffer[ids_end:dense_end].view(np.float32).reshape(n, d)[:] = b.dense
-            buffer[dense_end : dense_end + 4 * n].view(np.float32)[:] = b.labels
-            start = dense_end + 4 * n
-        return RawBatch(torch.from_numpy(buffer), tuple(len(b.labels) for b in batches), d, f, shard)
+        for b, size in zip(batches, sizes):
+            n = len(b)
+            region = _Regions(start, n, f, d, j, sum(len(x.values) for x in b.jagged))
+            ids = buffer[region.ids].view(np.int64)
+            ids[: f * n].reshape(f, n)[:] = b.ids.T
+            if j:
+                ids[f * n :] = np.concatenate([x.values for x in b.jagged])
+                buffer[region.lengths].view(np.int32).reshape(j, n)[:] = np.stack([x.lengths for x in b.jagged])
+            buffer[region.dense].view(np.float32).reshape(n, d)[:] = b.dense
+            buffer[region.labels].view(np.float32)[:] = b.labels
+            start += size
+        return RawBatch(torch.from_numpy(buffer), tuple(len(b) for b in batches), d, f, shard,
+                        tuple(sum(len(x.values) for x in b.jagged) for b in batches), j)
 
     def to_batches(self, keys: list[str]) -> Iterator[Batch]:
-        d, f = self.num_dense, self.num_sparse
+        d, f, j = self.num_dense, self.num_sparse, self.num_jagged
         start = 0
-        for n in self.rows:
-            ids_end, dense_end = start + 8 * f * n, start + 8 * f * n + 4 * d * n
+        for k, n in enumerate(self.rows):
+            jagged_values = self.jagged_values[k] if j else 0
+            region = _Regions(start, n, f, d, j, jagged_values)
+            lengths = torch.ones(f * n, dtype=torch.int32)
+            if j:
+                lengths = torch.cat([lengths, self.buffer[region.lengths].view(torch.int32)])
             yield Batch(
-                dense=self.buffer[ids_end:dense_end].view(torch.float32).view(n, d),
-                sparse=KeyedJaggedTensor(keys=keys, values=self.buffer[start:ids_end].view(torch.int64),
-                                         lengths=torch.ones(n * f, dtype=torch.int32)),
-                labels=self.buffer[dense_end : dense_end + 4 * n].view(torch.float32),
+                dense=self.buffer[region.dense].view(torch.float32).view(n, d),
+                sparse=KeyedJaggedTensor(keys=keys, values=self.buffer[region.ids].view(torch.int64), lengths=lengths),
+                labels=self.buffer[region.labels].view(torch.float32),
             )
-            start = dense_end + 4 * n
+            start += region.size
+
+
+def _padded(size: int) -> int:
+    return (size + 7) // 8 * 8  # every batch starts 8-byte aligned, for its int64 ids
+
+
+class _Regions:
+    """Byte ranges of one packed batch (see :class:`RawBatch`)."""
+
+    def __init__(self, start: int, n: int, f: int, d: int, j: int, jagged_values: int) -> None:
+        ids_end = start + 8 * (f * n + jagged_values)
+        lengths_end = ids_end + 4 * j * n
+        dense_end = lengths_end + 4 * d * n
+        labels_end = dense_end + 4 * n
+        self.ids = slice(start, ids_end)
+        self.lengths = slice(ids_end, lengths_end)
+        self.dense = slice(lengths_end, dense_end)
+        self.labels = slice(dense_end, labels_end)
+        self.size = _padded(labels_end - start)
 
 
 class BatchDataLoader(DataLoader):
@@ -306,22 +385,15 @@ def _take(pending: list[DecodedRows], n: int) -> tuple[DecodedRows, list[Decoded
     need = n
     while need:
         head = pending[0]
-        size = len(head.labels)
+        size = len(head)
         if size <= need:
             taken.append(pending.pop(0))
             need -= size
         else:
-            taken.append(DecodedRows(head.labels[:need], head.dense[:need], head.ids[:need], []))
-            pending[0] = DecodedRows(head.labels[need:], head.dense[need:], head.ids[need:], [])
+            taken.append(head.slice(0, need))
+            pending[0] = head.slice(need, size)
             need = 0
-    if len(taken) == 1:
-        return taken[0], pending
-    return DecodedRows(
-        np.concatenate([t.labels for t in taken]),
-        np.concatenate([t.dense for t in taken]),
-        np.concatenate([t.ids for t in taken]),
-        [],
-    ), pending
+    return (taken[0] if len(taken) == 1 else DecodedRows.concat(taken)), pending
 
 
 def _all_ranks_have(have: bool, group: Any) -> bool:

@@ -1,0 +1,91 @@
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ctr_lightning.datamodules import BadLineError, ParquetDataModule, ParquetFormat
+from ctr_lightning.datamodules.stream import BatchDataLoader, LogStreamDataset
+
+from .test_avazu import fnv_id, small_id
+
+SCHEMA = dict(label_column="click", dense_columns=["price", "age"], categorical_columns=["ad", "site"],
+              multi_hot_columns=["interests", "tags"])
+
+
+def make_rows(n, seed):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for i in range(n):
+        rows.append({
+            "click": int(rng.random() < 0.3),
+            "price": None if rng.random() < 0.1 else float(rng.random() * 10),
+            "age": int(rng.integers(18, 80)),
+            "ad": None if rng.random() < 0.1 else int(rng.integers(0, 10**12)),
+            "site": None if rng.random() < 0.1 else f"site{rng.integers(0, 50)}",
+            "interests": None if rng.random() < 0.1 else [int(x) for x in rng.integers(0, 1000, rng.integers(0, 5))],
+            "tags": [f"t{x}" for x in rng.integers(0, 30, rng.integers(0, 4))],
+            "unused": "x",
+        })
+    return rows
+
+
+def write(path, rows, row_group_size):
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
+
+
+def expected(row):
+    ad = small_id(row["ad"] if row["ad"] is not None else np.iinfo(np.int64).min % 2**64, 0)  # as uint64
+    site = fnv_id((row["site"] or "").encode(), 1)
+    interests = tuple(small_id(x, 2) for x in (row["interests"] or []))
+    tags = tuple(fnv_id(t.encode(), 3) for t in row["tags"])
+    dense = (np.float32(row["price"] or 0.0).item(), float(row["age"]))
+    return (float(row["click"]), dense, ad, site, interests, tags)
+
+
+def got_rows(batches):
+    out = []
+    for b in batches:
+        n = len(b)
+        jt = b.sparse.to_dict()
+        ad, site = jt["ad"].values().tolist(), jt["site"].values().tolist()
+        interests = [tuple(x.tolist()) for x in jt["interests"].to_dense()]
+        tags = [tuple(x.tolist()) for x in jt["tags"].to_dense()]
+        for i in range(n):
+            out.append((float(b.labels[i]), tuple(b.dense[i].tolist()), ad[i], site[i], interests[i], tags[i]))
+    return out
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_reads_schema_exactly_across_ranks_workers_and_row_groups(tmp_path, num_workers):
+    rows_a, rows_b = make_rows(700, 0), make_rows(333, 1)
+    write(tmp_path / "part-0.parquet", rows_a, row_group_size=64)
+    write(tmp_path / "part-1.parquet", rows_b, row_group_size=100)
+    files = [str(tmp_path / "part-0.parquet"), str(tmp_path / "part-1.parquet")]
+    seen = []
+    for rank in range(2):
+        ds = LogStreamDataset(files, ParquetFormat(**SCHEMA), batch_size=50, rank=rank, world_size=2,
+                              bad_lines="raise")
+        seen += got_rows(BatchDataLoader(ds, num_workers=num_workers))
+    want = [expected(r) for r in rows_a + rows_b]
+    assert len(seen) == len(want) == 1033
+    assert sorted(seen) == sorted(want)
+
+
+def test_datamodule_and_bad_rows(tmp_path):
+    rows = make_rows(200, 2)
+    rows[37]["click"] = None
+    rows[90]["click"] = 3
+    write(tmp_path / "logs.parquet", rows, row_group_size=50)
+    dm = ParquetDataModule(train_paths=[str(tmp_path / "logs.parquet")], batch_size=64, **SCHEMA)
+    dm.setup("fit")
+    assert dm.sparse_feature_names == ["ad", "site", "interests", "tags"] and dm.num_dense_features == 2
+    assert sum(len(b) for b in dm.train_dataloader()) == 198
+    strict = ParquetDataModule(train_paths=[str(tmp_path / "logs.parquet")], bad_lines="raise", **SCHEMA)
+    with pytest.raises(BadLineError, match=r"logs.parquet:38: click is not 0 or 1"):
+        strict.setup("fit")
+        list(strict.train_dataloader())
+    wrong = ParquetDataModule(train_paths=[str(tmp_path / "logs.parquet")], label_column="clicked",
+                              categorical_columns=["ad"])
+    wrong.setup("fit")
+    with pytest.raises(BadLineError, match=r"missing columns \['clicked'\]"):
+        list(wrong.train_dataloader())
