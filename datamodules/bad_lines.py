@@ -39,11 +39,18 @@ class BadLineLog:
 
     counts: Counter[str] = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
+    shipped: Counter[str] = field(default_factory=Counter)  # already reported to the main process
 
     def record(self, path: str, line: int | None, reason: str, text: bytes | str | None = None) -> None:
         self.counts[path] += 1
         if len(self.examples) < MAX_EXAMPLES:
             self.examples.append(str(BadLineError(path, line, reason, text)))
+
+    def unshipped(self) -> tuple[tuple[str, int], ...]:
+        """Counts recorded since the last call, per file; they are then marked as reported."""
+        delta = self.counts - self.shipped
+        self.shipped.update(delta)
+        return tuple(sorted(delta.items()))
 
     @property
     def total(self) -> int:

@@ -142,6 +142,11 @@ class LogDataModule(pl.LightningDataModule):
             self._train_loader = loader
         return loader
 
+    @property
+    def bad_line_counts(self) -> dict[str, int]:
+        """Lines skipped so far in this pass over the training data, per file (all workers)."""
+        return dict(self._train_loader.bad_line_counts) if self._train_loader is not None else {}
+
     # -- exact resume ------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -63,7 +64,7 @@ class FileSlice:
 
     def open(self) -> io.RawIOBase | io.BufferedIOBase:
         if self.compressed:
-            return fsspec.open(self.path, "rb", compression="infer").open()
+            return _SmallReads(fsspec.open(self.path, "rb", compression="infer").open())
         return _LineRange(fsspec.open(self.path, "rb").open(), self.start, self.end)
 
 
@@ -85,6 +86,38 @@ def plan_slices(paths: Sequence[str], shard: int, num_shards: int, line_based: b
         if end > start:
             slices.append(FileSlice(path, start, end))
     return slices
+
+
+class _SmallReads(io.RawIOBase):
+    """Decompressed reads of at most 64 KiB that end quietly where the data breaks off.
+
+    A truncated or corrupt stream then ends after its last whole piece, so every record
+    before the damage is still parsed; the error is kept in :attr:`error` for the reader
+    to report once the good part is through (see :func:`read_csv_blocks`).
+    """
+
+    def __init__(self, raw: io.IOBase, chunk: int = 1 << 16) -> None:
+        self._raw = raw
+        self._chunk = chunk
+        self.error: Exception | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        if self.error is not None:
+            return 0
+        try:
+            data = self._raw.read(min(len(buffer), self._chunk))
+        except (EOFError, OSError, zlib.error) as e:
+            self.error = e
+            return 0
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 def line_boundary(f: io.IOBase, offset: int) -> int:
@@ -157,7 +190,10 @@ def read_csv_blocks(
     try:
         reader = pacsv.open_csv(f, read_options=read, parse_options=parse, convert_options=convert)
     except pa.ArrowInvalid as e:
-        if "Empty CSV file" in str(e):
-            return
-        raise
+        if "Empty CSV file" not in str(e):
+            raise
+        reader = iter(())  # nothing readable (the stream may still have broken off; see below)
     yield from reader
+    error = getattr(f, "error", None)
+    if error is not None:  # the stream broke off: the records before it are through, now say so
+        raise error

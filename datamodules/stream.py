@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import zlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
@@ -165,12 +167,13 @@ class LogStreamDataset(IterableDataset):
                     cut(self.batch_size)
                     buffered -= self.batch_size
                     if len(ready) == self.batches_per_message:
-                        yield RawBatch.pack(ready, shard)
+                        yield RawBatch.pack(ready, shard, bad.unshipped())
                         ready = []
         if buffered and not self.drop_last:
             cut(buffered)
-        if ready:
-            yield RawBatch.pack(ready, shard)
+        counts = bad.unshipped()
+        if ready or counts:  # the last counts travel even without a batch
+            yield RawBatch.pack(ready, shard, counts)
         bad.summarise(f"reader rank={self.rank} shard={shard}/{num_shards} pid={os.getpid()}")
 
     def _read_slice(self, fslice: FileSlice, bad: BadLineLog) -> Iterator[DecodedRows]:
@@ -185,38 +188,48 @@ class LogStreamDataset(IterableDataset):
             return "skip"
 
         seen_invalid = 0
-        for index, record_batch in enumerate(self.format.read(fslice, on_invalid_row)):
-            # pyarrow parses one block per batch, so rows rejected meanwhile belong to it.
-            new_invalid = range(seen_invalid, len(invalid))
-            seen_invalid = len(invalid)
-            if index % fslice.stripes != fslice.stripe:
-                accepted_before += record_batch.num_rows
-                continue
-            for nth in new_invalid:
-                reason = self._width_reason(invalid[nth].encode())
-                if self.bad_lines == "raise":
-                    line, text = self._locate(fslice, nth, wrong_width=True)
-                    raise BadLineError(fslice.path, line, reason, text)
-                skipped.append(("width", nth, reason))
-            rows = self.format.decode(record_batch)
-            if rows.problems:
-                bad_rows = np.flatnonzero(np.logical_or.reduce([mask for mask, _ in rows.problems]))
-                for i in bad_rows:  # in line order, so "raise" names the first bad line
-                    reason = next(reason for mask, reason in rows.problems if mask[i])
+        readable = True
+        try:
+            for index, record_batch in enumerate(self.format.read(fslice, on_invalid_row)):
+                # pyarrow parses one block per batch, so rows rejected meanwhile belong to it.
+                new_invalid = range(seen_invalid, len(invalid))
+                seen_invalid = len(invalid)
+                if index % fslice.stripes != fslice.stripe:
+                    accepted_before += record_batch.num_rows
+                    continue
+                for nth in new_invalid:
+                    reason = self._width_reason(invalid[nth].encode())
                     if self.bad_lines == "raise":
-                        line, text = self._locate(fslice, accepted_before + int(i), wrong_width=False)
+                        line, text = self._locate(fslice, nth, wrong_width=True)
                         raise BadLineError(fslice.path, line, reason, text)
-                    skipped.append(("value", accepted_before + int(i), reason))
-                if len(bad_rows):
-                    keep = np.ones(len(rows.labels), dtype=bool)
-                    keep[bad_rows] = False
-                    rows = rows.select(keep)
-            if len(rows.labels):
-                yield rows
-            accepted_before += record_batch.num_rows
+                    skipped.append(("width", nth, reason))
+                rows = self.format.decode(record_batch)
+                if rows.problems:
+                    bad_rows = np.flatnonzero(np.logical_or.reduce([mask for mask, _ in rows.problems]))
+                    for i in bad_rows:  # in line order, so "raise" names the first bad line
+                        reason = next(reason for mask, reason in rows.problems if mask[i])
+                        if self.bad_lines == "raise":
+                            line, text = self._locate(fslice, accepted_before + int(i), wrong_width=False)
+                            raise BadLineError(fslice.path, line, reason, text)
+                        skipped.append(("value", accepted_before + int(i), reason))
+                    if len(bad_rows):
+                        keep = np.ones(len(rows.labels), dtype=bool)
+                        keep[bad_rows] = False
+                        rows = rows.select(keep)
+                if len(rows.labels):
+                    yield rows
+                accepted_before += record_batch.num_rows
+        except (EOFError, OSError, zlib.error, pa.ArrowException) as e:
+            # A truncated or corrupt file: what was read stands; the rest is named, not lost silently.
+            reason = f"unreadable after its first {accepted_before} rows ({type(e).__name__}: {e})"
+            if self.bad_lines == "raise":
+                raise BadLineError(fslice.path, None, reason) from e
+            log.error("%s: %s", fslice.path, reason)
+            bad.record(fslice.path, None, reason)
+            readable = False
         for kind, nth, reason in skipped:
             line, text = None, None
-            if len(bad.examples) < MAX_EXAMPLES:
+            if readable and len(bad.examples) < MAX_EXAMPLES:
                 line, text = self._locate(fslice, nth, wrong_width=kind == "width")
             bad.record(fslice.path, line, reason, text)
 
@@ -259,9 +272,12 @@ class RawBatch(NamedTuple):
     shard: int  # the (rank, worker) shard that read it, for exact resume
     jagged_values: tuple[int, ...] = ()  # per batch: ids of all multi-hot features together
     num_jagged: int = 0
+    bad_lines: tuple[tuple[str, int], ...] = ()  # lines skipped since the shard's last message
 
     @staticmethod
-    def pack(batches: list[DecodedRows], shard: int) -> RawBatch:
+    def pack(batches: list[DecodedRows], shard: int, bad_lines: tuple[tuple[str, int], ...] = ()) -> RawBatch:
+        if not batches:
+            return RawBatch(torch.empty(0, dtype=torch.uint8), (), 0, 0, shard, (), 0, bad_lines)
         f, d, j = batches[0].ids.shape[1], batches[0].dense.shape[1], len(batches[0].jagged)
         sizes = [_padded(8 * (f * len(b) + sum(len(x.values) for x in b.jagged)) + 4 * (j + d + 1) * len(b))
                  for b in batches]
@@ -279,7 +295,7 @@ class RawBatch(NamedTuple):
             buffer[region.labels].view(np.float32)[:] = b.labels
             start += size
         return RawBatch(torch.from_numpy(buffer), tuple(len(b) for b in batches), d, f, shard,
-                        tuple(sum(len(x.values) for x in b.jagged) for b in batches), j)
+                        tuple(sum(len(x.values) for x in b.jagged) for b in batches), j, bad_lines)
 
     def to_batches(self, keys: list[str]) -> Iterator[Batch]:
         d, f, j = self.num_dense, self.num_sparse, self.num_jagged
@@ -339,17 +355,20 @@ class BatchDataLoader(DataLoader):
         self.sync_group = sync_group
         self.shard_log: list[int] = []  # the shard of every batch handed out, in order
         self.held_back = (0, 0)  # (batches, examples) of the last pass not handed out to keep ranks even
+        self.bad_line_counts: Counter[str] = Counter()  # lines skipped this pass, per file, all workers
 
     def _batches(self) -> Iterator[tuple[int, Batch]]:
         keys = list(self.dataset.format.sparse_feature_names)
         for raw in super().__iter__():
             raw = RawBatch(*raw)
+            self.bad_line_counts.update(dict(raw.bad_lines))
             for batch in raw.to_batches(keys):
                 yield raw.shard, batch
 
     def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]
         self.shard_log = []
         self.held_back = (0, 0)
+        self.bad_line_counts = Counter()
         batches = self._batches()
         while True:
             item = next(batches, None)

@@ -6,6 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
+from ctr_lightning.datamodules import BadLineError
 from ctr_lightning.datamodules.criteo import CriteoFormat
 from ctr_lightning.datamodules.stream import BatchDataLoader, LogStreamDataset
 
@@ -118,3 +119,47 @@ def test_random_corruptions_never_crash_and_are_all_counted(criteo_sample, tmp_p
     got = rows_of(BatchDataLoader(ds, num_workers=0))
     assert ds.bad_line_log.total == expected_bad
     assert sorted(got) == sorted(reference_tuples(clean))
+
+
+def test_bad_line_counts_reach_the_trainer_as_a_metric(criteo_sample, tmp_path):
+    import lightning.pytorch as pl
+
+    from ctr_lightning.callbacks import BadLineMonitor
+    from ctr_lightning.datamodules import CriteoDataModule
+    from ctr_lightning.models import DLRMModule
+
+    lines = (criteo_sample / "train_head1999.tsv").read_text().splitlines()
+    for i in range(0, 1999, 100):
+        lines[i] = lines[i].replace("\t", ",", 3)  # 20 lines with too few fields
+    (tmp_path / "day_0.tsv").write_text("\n".join(lines) + "\n")
+    dm = CriteoDataModule(train_paths=[str(tmp_path / "day_0.tsv")], batch_size=100, num_workers=2)
+    logged = []
+
+    class Capture(pl.Callback):
+        def on_train_epoch_end(self, trainer, module):
+            logged.append(float(trainer.callback_metrics["data/bad_lines"]))
+
+    pl.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, log_every_n_steps=1, callbacks=[BadLineMonitor(), Capture()]).fit(
+        DLRMModule(num_embeddings=100, embedding_dim=4, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1]),
+        datamodule=dm)
+    assert dm.bad_line_counts == {str(tmp_path / "day_0.tsv"): 20}  # counted in the workers, summed here
+    assert logged == [20.0]
+
+
+def test_empty_truncated_and_url_paths(criteo_sample, tmp_path, caplog):
+    data = (criteo_sample / "train_head1999.tsv").read_bytes()
+    (tmp_path / "a_empty.tsv").write_bytes(b"")
+    packed = gzip.compress(data)
+    (tmp_path / "b_truncated.tsv.gz").write_bytes(packed[: len(packed) // 2])
+    files = [f"file://{tmp_path / 'a_empty.tsv'}", str(tmp_path / "b_truncated.tsv.gz")]
+    ds = LogStreamDataset(files, CriteoFormat(block_size=1 << 14), batch_size=100, bad_lines="skip")
+    with caplog.at_level("ERROR"):
+        got = rows_of(BatchDataLoader(ds))
+    assert 0 < len(got) < 1999  # the readable head arrives; the rest is reported
+    # The cut-off last line is a bad line, and the truncation itself is recorded too.
+    assert ds.bad_line_log.counts == {str(tmp_path / "b_truncated.tsv.gz"): 2}
+    assert "b_truncated.tsv.gz: unreadable after its first" in caplog.text
+    strict = LogStreamDataset(files, CriteoFormat(), batch_size=100, bad_lines="raise")
+    with pytest.raises(BadLineError, match=r"b_truncated.tsv.gz: unreadable after its first \d+ rows \(EOFError"):
+        rows_of(BatchDataLoader(strict))
