@@ -72,6 +72,7 @@ class AvazuFormat:
 
     num_fields = len(AVAZU_COLUMNS)
     delimiter = b","
+    line_based = True
     header_lines = 1
     sparse_feature_names = AVAZU_SPARSE
     num_dense_features = 0

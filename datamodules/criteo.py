@@ -29,6 +29,7 @@ class CriteoFormat:
 
     num_fields = 1 + len(DENSE_NAMES) + len(SPARSE_NAMES)
     delimiter = b"\t"
+    line_based = True
     header_lines = 0
     sparse_feature_names = SPARSE_NAMES
     num_dense_features = len(DENSE_NAMES)

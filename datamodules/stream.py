@@ -84,6 +84,7 @@ class DecodedRows:
 class LogFormat(Protocol):
     """How one ad-log format is read and turned into arrays."""
 
+    line_based: bool  # records are lines: byte-range shards, errors named by file:line
     num_fields: int
     delimiter: bytes
     header_lines: int  # lines at the top of each file that are not records
@@ -159,7 +160,7 @@ class LogStreamDataset(IterableDataset):
             else:
                 ready.append(batch)
 
-        for fslice in plan_slices(self.paths, shard, num_shards, getattr(self.format, "line_based", True)):
+        for fslice in plan_slices(self.paths, shard, num_shards, self.format.line_based):
             for rows in self._read_slice(fslice, bad):
                 pending.append(rows)
                 buffered += len(rows.labels)
@@ -241,7 +242,7 @@ class LogStreamDataset(IterableDataset):
         """Line number and text of the nth wrong-width (or nth well-formed) line of a slice.
 
         For formats without lines (Parquet), the row number in the file."""
-        if not getattr(self.format, "line_based", True):
+        if not self.format.line_based:
             return nth + 1, None
         width = self.format.num_fields
         delimiter = self.format.delimiter

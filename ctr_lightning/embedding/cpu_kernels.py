@@ -15,14 +15,14 @@ SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = 0, 1, 2, 3
 
 
 @numba.njit(parallel=True, cache=True, fastmath={"contract"})
-def pool_forward(storage, dim, slots, inverse, offsets, weights, mean, batch, out, column0):
-    """out[b, column0 + f*dim : ...] = pooled rows of bag f*batch + b (feature-major bags)."""
+def pool_forward(storage, dim, slots, inverse, offsets, weights, mean, batch, out):
+    """out[b, f*dim : (f+1)*dim] = pooled rows of bag f*batch + b (feature-major bags)."""
     bags = len(offsets) - 1
     has_weights = len(weights) > 0
     for k in numba.prange(bags):
         f = k // batch
         b = k - f * batch
-        acc = out[b, column0 + f * dim : column0 + (f + 1) * dim]
+        acc = out[b, f * dim : (f + 1) * dim]
         acc[:] = 0.0
         start, end = offsets[k], offsets[k + 1]
         for i in range(start, end):
@@ -64,7 +64,7 @@ def bag_of_ids(offsets, num_ids):
 
 @numba.njit(parallel=True, cache=True, fastmath={"contract"})
 def backward_update(storage, dim, slots, row_ptr, positions, bag, offsets, weights, mean, batch,
-                    grad_out, column0, kind, params, step_scale, scratch):
+                    grad_out, kind, params, step_scale, scratch):
     """For every touched row: gradient = sum over its ids of the pooled-output gradient,
     then one optimizer step on ``storage[slot]`` (weights and state) in place.
 
@@ -85,7 +85,7 @@ def backward_update(storage, dim, slots, row_ptr, positions, bag, offsets, weigh
             scale = weights[i] if has_weights else one
             if mean:
                 scale = scale / np.float32(offsets[k + 1] - offsets[k])
-            src = grad_out[b, column0 + f * dim : column0 + (f + 1) * dim]
+            src = grad_out[b, f * dim : (f + 1) * dim]
             for d in range(dim):
                 g[d] += scale * src[d]
         r = storage[slots[u]]

@@ -108,10 +108,6 @@ class KeyIndex:
     def __len__(self) -> int:
         return self._count
 
-    @property
-    def nbytes(self) -> int:
-        return self._keys.nbytes + self._tags.nbytes + self._slots.nbytes
-
     def lookup(self, keys: np.ndarray, tags: np.ndarray) -> np.ndarray:
         """Slot of each (key, tag), -1 where absent."""
         out = np.empty(len(keys), dtype=np.int64)

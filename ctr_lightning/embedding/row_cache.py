@@ -108,7 +108,7 @@ class RowCache:
             empty = np.empty(0, dtype=np.int64)
             return empty, self._rows(empty)
         # Free a little more than asked, so the sort below runs every few batches, not every one.
-        need = np.where(need > 0, need + self.capacity // 32, 0)
+        wanted = np.where(need > 0, need + self.capacity // 32, 0)
         owner = self.slot_table
         candidate = owner >= 0
         pinned = pinned[pinned < len(owner)]
@@ -120,15 +120,15 @@ class RowCache:
         slots, tables = slots[order], owner[slots[order]]
         start = np.searchsorted(tables, np.arange(len(need)))
         available = np.bincount(tables, minlength=len(need))
-        short = np.flatnonzero(available < need - np.where(need > 0, self.capacity // 32, 0))
+        short = np.flatnonzero(available < need)
         if len(short):
             t = int(short[0])
             raise RuntimeError(
                 f"table {names[t]!r}: one batch touches more rows than its tier holds "
                 f"({int(self.capacity[t])} rows); raise the capacity or lower the batch size"
             )
-        need = np.minimum(need, available)
-        victims = slots[np.arange(len(slots)) - start[tables] < need[tables]]
+        take = np.minimum(wanted, available)
+        victims = slots[np.arange(len(slots)) - start[tables] < take[tables]]
         return victims, self._rows(victims)
 
     def release(self, slots: np.ndarray) -> None:
@@ -150,7 +150,7 @@ class RowCache:
         return np.concatenate([reused, fresh])
 
     def insert(self, rows: Rows) -> np.ndarray:
-        """Place rows whose room was made with :meth:`evict`; overwrite those present."""
+        """Place rows (room made with :meth:`choose_victims` and :meth:`release`); overwrite those present."""
         slots = self.lookup(rows.tables, rows.ids)
         new = slots < 0
         fresh = self._take_slots(int(new.sum()))
@@ -190,7 +190,3 @@ class RowCache:
 
     def clear(self) -> None:
         self._allocate(len(self.owner))
-
-    @property
-    def nbytes(self) -> int:
-        return self.values.numel() * self.values.element_size()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from ctr_lightning.embedding import cpu_kernels as kernels
 
 from ctr_lightning.embedding.optimizers import RowWiseAdagrad, SparseAdagrad, SparseAdam, SparseOptimizer, SparseSGD
 
@@ -56,3 +59,16 @@ def apply_update(optimizer: SparseOptimizer, rows: torch.Tensor, grad: torch.Ten
     else:
         raise TypeError(f"unknown sparse optimizer config {optimizer!r}")
     return out
+
+
+def kernel_optimizer(opt: SparseOptimizer) -> tuple[int, np.ndarray]:
+    """The fused CPU kernel's optimizer code and (lr, eps, beta1, beta2)."""
+    if isinstance(opt, RowWiseAdagrad):
+        return kernels.ROWWISE_ADAGRAD, np.array([opt.lr, opt.eps, 0, 0], dtype=np.float32)
+    if isinstance(opt, SparseAdagrad):
+        return kernels.ADAGRAD, np.array([opt.lr, opt.eps, 0, 0], dtype=np.float32)
+    if isinstance(opt, SparseAdam):
+        return kernels.ADAM, np.array([opt.lr, opt.eps, *opt.betas], dtype=np.float32)
+    if isinstance(opt, SparseSGD):
+        return kernels.SGD, np.array([opt.lr, 0, 0, 0], dtype=np.float32)
+    raise TypeError(f"unknown sparse optimizer config {opt!r}")

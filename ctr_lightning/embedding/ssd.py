@@ -36,25 +36,20 @@ def _runs(records):
 
 # Not cached on disk: numba cannot cache functions that call through ctypes pointers.
 @numba.njit
-def _read_records(fd, out, records, runs) -> int:
-    """pread rows ``records`` into ``out``, one call per run; the first failed row or -1."""
-    nbytes = out.shape[1] * 4
-    base = out.ctypes.data
-    for r in range(len(runs) - 1):
-        i, j = runs[r], runs[r + 1]
-        if _pread(fd, base + i * nbytes, (j - i) * nbytes, records[i] * nbytes) != (j - i) * nbytes:
-            return i
-    return -1
-
-
-@numba.njit
-def _write_records(fd, rows, records, runs) -> int:
-    """pwrite ``rows`` to ``records``, one call per run; the first failed row or -1."""
+def _transfer_records(fd, rows, records, write) -> int:
+    """pwrite ``rows`` to (or pread them from) ``records`` (ascending), one call per run of
+    adjacent records; returns the first row of a failed run, or -1."""
     nbytes = rows.shape[1] * 4
     base = rows.ctypes.data
+    runs = _runs(records)
     for r in range(len(runs) - 1):
         i, j = runs[r], runs[r + 1]
-        if _pwrite(fd, base + i * nbytes, (j - i) * nbytes, records[i] * nbytes) != (j - i) * nbytes:
+        size = (j - i) * nbytes
+        if write:
+            done = _pwrite(fd, base + i * nbytes, size, records[i] * nbytes)
+        else:
+            done = _pread(fd, base + i * nbytes, size, records[i] * nbytes)
+        if done != size:
             return i
     return -1
 
@@ -95,7 +90,7 @@ class RecordFile:
             order = np.argsort(records, kind="stable")
             ordered = records[order]
             sorted_out = np.empty_like(out)
-            if _read_records(fd, sorted_out, ordered, _runs(ordered)) >= 0:
+            if _transfer_records(fd, sorted_out, ordered, False) >= 0:
                 raise self._fail("reading", errno.EIO)
             out[order] = sorted_out
             self.bytes_read += out.nbytes
@@ -106,7 +101,7 @@ class RecordFile:
         order = np.argsort(records, kind="stable")
         records = records[order]
         rows = np.ascontiguousarray(rows[order], dtype=np.float32)
-        if _write_records(fd, rows, records, _runs(records)) >= 0:
+        if _transfer_records(fd, rows, records, True) >= 0:
             # Repeat the write in Python to learn why (errno is not visible from numba).
             try:
                 os.pwrite(fd, rows.tobytes(), int(records[0]) * self.record_bytes)

@@ -12,15 +12,9 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from ctr_lightning.embedding import cpu_kernels as kernels
 from ctr_lightning.embedding.initializer import initial_rows
 from ctr_lightning.embedding.key_index import dedup
-from ctr_lightning.embedding.optimizers import (
-    RowWiseAdagrad,
-    SparseAdagrad,
-    SparseAdam,
-    SparseOptimizer,
-    SparseSGD,
-)
+from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 from ctr_lightning.embedding.row_cache import RowCache, Rows
-from ctr_lightning.embedding.sparse_update import apply_update, state_width
+from ctr_lightning.embedding.sparse_update import apply_update, kernel_optimizer, state_width
 from ctr_lightning.embedding.ssd import DirectSsdStore, SsdStore
 from ctr_lightning.embedding.storage_config import StorageConfig
 
@@ -147,14 +141,17 @@ class TableGroup:
         offsets_np = offsets.numpy().astype(np.int64, copy=False)
         weights_np = (weights.numpy().astype(np.float32, copy=False) if weights is not None
                       else np.empty(0, dtype=np.float32))
-        features = (len(offsets_np) - 1) // batch
         inputs = (slots, inverse, offsets_np, weights_np, batch)
         if on_grad is None:
-            out = torch.empty(batch, features * self.dim)
-            kernels.pool_forward(self.device_tier.values.numpy(), self.dim, slots, inverse, offsets_np,
-                                 weights_np, self.mode == "mean", batch, out.numpy(), 0)
-            return out
+            return self._pool_cpu(inputs)
         return _FusedCpuPooling.apply(self._placeholder, self, inputs, on_grad)
+
+    def _pool_cpu(self, inputs: tuple) -> torch.Tensor:
+        slots, inverse, offsets, weights, batch = inputs
+        out = torch.empty(batch, (len(offsets) - 1) // batch * self.dim)
+        kernels.pool_forward(self.device_tier.values.numpy(), self.dim, slots, inverse, offsets, weights,
+                             self.mode == "mean", batch, out.numpy())
+        return out
 
     def _lookup_torch(self, slots, inverse, offsets, weights, batch, on_grad) -> torch.Tensor:
         device = self.device_tier.device
@@ -242,7 +239,7 @@ class TableGroup:
         opt = self.optimizer
         kind, params = kernel_optimizer(opt)
         step_scale = np.zeros(len(slots), dtype=np.float32)
-        if kind == kernels.ADAM:
+        if isinstance(opt, SparseAdam):
             beta1, beta2 = opt.betas
             step_scale = (opt.lr * np.sqrt(1 - beta2 ** step.astype(np.float64))
                           / (1 - beta1 ** step.astype(np.float64))).astype(np.float32)
@@ -250,7 +247,7 @@ class TableGroup:
         row_ptr, positions = kernels.occurrences_by_row(inverse, len(slots))
         bag = kernels.bag_of_ids(offsets, len(inverse))
         kernels.backward_update(self.device_tier.values.numpy(), self.dim, slots, row_ptr, positions, bag,
-                                offsets, weights, self.mode == "mean", batch, ctx.grad_out, 0, kind, params,
+                                offsets, weights, self.mode == "mean", batch, ctx.grad_out, kind, params,
                                 step_scale, np.empty((len(slots), self.dim), dtype=np.float32))
 
     # -- reads without side effects, and checkpoints --------------------------------------
@@ -347,19 +344,6 @@ class _PooledRows(torch.autograd.Function):
         return None, None, None, None, None, None
 
 
-def kernel_optimizer(opt: SparseOptimizer) -> tuple[int, np.ndarray]:
-    """The fused CPU kernel's optimizer code and (lr, eps, beta1, beta2)."""
-    if isinstance(opt, RowWiseAdagrad):
-        return kernels.ROWWISE_ADAGRAD, np.array([opt.lr, opt.eps, 0, 0], dtype=np.float32)
-    if isinstance(opt, SparseAdagrad):
-        return kernels.ADAGRAD, np.array([opt.lr, opt.eps, 0, 0], dtype=np.float32)
-    if isinstance(opt, SparseAdam):
-        return kernels.ADAM, np.array([opt.lr, opt.eps, *opt.betas], dtype=np.float32)
-    if isinstance(opt, SparseSGD):
-        return kernels.SGD, np.array([opt.lr, 0, 0, 0], dtype=np.float32)
-    raise TypeError(f"unknown sparse optimizer config {opt!r}")
-
-
 class _CpuBackward:
     """What the fused CPU backward needs: the batch's layout and the output gradient."""
 
@@ -373,13 +357,8 @@ class _FusedCpuPooling(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, placeholder, group, inputs, on_grad):  # type: ignore[override]
-        slots, inverse, offsets, weights, batch = inputs
-        features = (len(offsets) - 1) // batch
-        out = torch.empty(batch, features * group.dim)
-        kernels.pool_forward(group.device_tier.values.numpy(), group.dim, slots, inverse, offsets, weights,
-                             group.mode == "mean", batch, out.numpy(), 0)
         ctx.inputs, ctx.on_grad = inputs, on_grad
-        return out
+        return group._pool_cpu(inputs)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]

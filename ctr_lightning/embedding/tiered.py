@@ -107,10 +107,11 @@ class TieredEmbeddingBagCollection(nn.Module):
             self._group_tables.append(members)
         self._group_features = [[f for i in members for f in tables[i].feature_names]
                                 for members in self._group_tables]
-        self._feature_local_table = {
-            f: local for members in self._group_tables for local, i in enumerate(members)
-            for f in tables[i].feature_names
-        }
+        # Per group, the local table index of each of its features, in KJT order.
+        self._group_feature_tables = [
+            np.array([local for local, i in enumerate(members) for _ in tables[i].feature_names], dtype=np.int64)
+            for members in self._group_tables
+        ]
         self._group_order = [f for fs in self._group_features for f in fs]
         # Columns of the groups' outputs, put back into config order (None when already so).
         starts, col = {}, 0
@@ -140,13 +141,12 @@ class TieredEmbeddingBagCollection(nn.Module):
         train = self.training and torch.is_grad_enabled()
         outputs: list[torch.Tensor] = []
         key_start = value_start = 0
-        for group, names in zip(self._groups, self._group_features):
+        for group, names, feature_tables in zip(self._groups, self._group_features, self._group_feature_tables):
             n_keys = len(names)
             n_values = sum(lengths[key_start : key_start + n_keys])
             group_offsets = offsets[key_start * batch : (key_start + n_keys) * batch + 1] - value_start
             ids = values[value_start : value_start + n_values].cpu().numpy().astype(np.int64, copy=False)
-            tables = np.repeat(np.array([self._feature_local_table[f] for f in names], dtype=np.int64),
-                               lengths[key_start : key_start + n_keys])
+            tables = np.repeat(feature_tables, lengths[key_start : key_start + n_keys])
             group_weights = None if weights is None else weights[value_start : value_start + n_values]
             outputs.append(group.lookup(ids, tables, group_offsets, group_weights, batch, train))
             key_start += n_keys
