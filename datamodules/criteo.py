@@ -19,6 +19,7 @@ class CriteoFormat:
 
     Counts become ``log(1 + max(x, 0))`` with missing as 0; each categorical value is
     hashed with its feature index to a 63-bit id (missing gets an id of its own).
+    ``negative_counts="bad"`` makes a negative count a bad line instead of a 0.
 
     Example::
 
@@ -34,8 +35,11 @@ class CriteoFormat:
     sparse_feature_names = SPARSE_NAMES
     num_dense_features = len(DENSE_NAMES)
 
-    def __init__(self, block_size: int = 1 << 19) -> None:
+    def __init__(self, block_size: int = 1 << 19, negative_counts: str = "clamp") -> None:
+        if negative_counts not in ("clamp", "bad"):
+            raise ValueError(f"negative_counts must be 'clamp' or 'bad', got {negative_counts!r}")
         self.block_size = block_size
+        self.negative_is_bad = negative_counts == "bad"
         names = ["label", *DENSE_NAMES, *SPARSE_NAMES]
         self._read_options = pacsv.ReadOptions(column_names=names, block_size=block_size, use_threads=False)
         # Binary columns skip UTF-8 validation; the compiled decoders check every byte anyway.
@@ -55,9 +59,10 @@ class CriteoFormat:
         dense = np.empty((len(DENSE_NAMES), n), dtype=np.float32)
         for j, name in enumerate(DENSE_NAMES):
             bad = np.zeros(n, dtype=bool)
-            fd.decode_counts(*fd.column_buffers(batch.column(1 + j)), dense[j], bad)
+            fd.decode_counts(*fd.column_buffers(batch.column(1 + j)), dense[j], bad, self.negative_is_bad)
             if bad.any():
-                problems.append((bad, f"{name} is not an integer"))
+                what = "a non-negative integer" if self.negative_is_bad else "an integer"
+                problems.append((bad, f"{name} is not {what}"))
         ids = np.empty((len(SPARSE_NAMES), n), dtype=np.int64)
         for f, name in enumerate(SPARSE_NAMES):
             bad = np.zeros(n, dtype=bool)
@@ -71,7 +76,13 @@ class CriteoFormat:
 class CriteoDataModule(LogDataModule):
     """Streams Criteo-layout logs (``.tsv``, ``.gz``, local or fsspec URLs).
 
-    Arguments as :class:`LogDataModule`.
+    Arguments as :class:`LogDataModule`, plus:
+
+    Args:
+        negative_counts: ``"clamp"`` (default) reads a negative count as 0, as the DLRM
+            reference preprocessing does: Criteo's I2 holds small negative values in about
+            one line of ten, so treating them as bad would drop real data. ``"bad"`` makes
+            them bad lines, handled by the ``bad_lines`` policy.
 
     Example::
 
@@ -81,3 +92,24 @@ class CriteoDataModule(LogDataModule):
     """
 
     format_class = CriteoFormat
+
+    def __init__(
+        self,
+        train_paths: list[str] | str | None = None,
+        val_paths: list[str] | str | None = None,
+        test_paths: list[str] | str | None = None,
+        predict_paths: list[str] | str | None = None,
+        batch_size: int = 4096,
+        num_workers: int = 0,
+        bad_lines: str = "skip",
+        block_size: int = 1 << 19,
+        online: bool = False,
+        negative_counts: str = "clamp",
+    ) -> None:
+        self._negative_counts = negative_counts
+        super().__init__(train_paths=train_paths, val_paths=val_paths, test_paths=test_paths,
+                         predict_paths=predict_paths, batch_size=batch_size, num_workers=num_workers,
+                         bad_lines=bad_lines, block_size=block_size, online=online)
+
+    def make_format(self, block_size: int) -> CriteoFormat:
+        return CriteoFormat(block_size=block_size, negative_counts=self._negative_counts)

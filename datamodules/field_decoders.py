@@ -56,8 +56,9 @@ _LOG1P = np.log1p(np.arange(1 << 14, dtype=np.float64)).astype(np.float32)
 
 
 @numba.njit(cache=True)
-def decode_counts(offsets, data, out, bad) -> None:
-    """Integer counts to ``log(1 + max(x, 0))``; empty is missing (0); non-integers are bad."""
+def decode_counts(offsets, data, out, bad, negative_is_bad) -> None:
+    """Integer counts to ``log(1 + max(x, 0))``; empty is missing (0); non-integers are bad,
+    and so are negative values when ``negative_is_bad``."""
     for i in range(len(out)):
         start, end = offsets[i], offsets[i + 1]
         out[i] = 0.0
@@ -76,6 +77,8 @@ def decode_counts(offsets, data, out, bad) -> None:
                 bad[i] = True
                 break
             value = value * 10 + np.int64(c - 48)
+        if negative and negative_is_bad and value > 0:
+            bad[i] = True
         if not bad[i] and not negative and value > 0:
             out[i] = _LOG1P[value] if value < len(_LOG1P) else np.float32(np.log1p(np.float64(value)))
 

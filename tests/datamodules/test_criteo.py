@@ -63,6 +63,27 @@ def test_reads_real_sample_exactly(criteo_sample, num_workers):
             np.testing.assert_allclose(g, w, rtol=1e-6)
 
 
+def test_negative_counts_are_zero_or_bad_lines_by_choice(criteo_sample, tmp_path):
+    path = criteo_sample / "train_random4584.tsv"
+    lines = path.read_text().splitlines()
+    negative = [i for i, line in enumerate(lines) if any(x.startswith("-") for x in line.split("\t")[1:14])]
+    assert negative  # the real I2 has negative values
+    labels, dense, _ = collect(CriteoDataModule(train_paths=[str(path)], batch_size=1000, bad_lines="raise"))
+    assert len(labels) == len(lines) and dense.min() >= 0.0
+    strict = CriteoDataModule(train_paths=[str(path)], batch_size=1000, negative_counts="bad")
+    labels, _, ids = collect(strict)
+    assert len(labels) == len(lines) - len(negative)
+    kept = np.delete(reference_rows(path)[2], negative, axis=0)
+    np.testing.assert_array_equal(ids, kept)  # exactly the lines without a negative count
+    first = negative[0]
+    column = next(j for j, x in enumerate(lines[first].split("\t")[1:14], 1) if x.startswith("-"))
+    raising = CriteoDataModule(train_paths=[str(path)], batch_size=1000, negative_counts="bad", bad_lines="raise")
+    with pytest.raises(BadLineError, match=f"{path}:{first + 1}: I{column} is not a non-negative integer"):
+        collect(raising)
+    with pytest.raises(ValueError, match="negative_counts must be 'clamp' or 'bad'"):
+        CriteoDataModule(train_paths=[str(path)], negative_counts="drop")
+
+
 def test_spot_values_and_missing_fields(criteo_sample):
     path = criteo_sample / "train_head1999.tsv"
     lines = path.read_text().splitlines()
