@@ -99,7 +99,7 @@ class LogDataModule(pl.LightningDataModule):
         if self.online and stage == "fit":
             self.setup_online()
         trainer = self.trainer
-        if (stage == "fit" and self._sync_group is None and trainer is not None and trainer.world_size > 1
+        if (self._sync_group is None and trainer is not None and trainer.world_size > 1
                 and torch.distributed.is_available() and torch.distributed.is_initialized()):
             # A CPU (gloo) group of its own: the default group may be NCCL.
             self._sync_group = torch.distributed.new_group(backend="gloo")
@@ -136,8 +136,9 @@ class LogDataModule(pl.LightningDataModule):
             files, self.format, batch_size=self.batch_size, rank=rank,
             world_size=world, bad_lines=self.bad_lines, skip_batches=skip,
         )
-        sync = self._sync_group if split == "train" else None
-        loader = BatchDataLoader(dataset, sync_group=sync, num_workers=self.num_workers)
+        # Every split takes equal steps on all ranks: a sharded embedding collection runs
+        # collectives in evaluation too, so a rank that stopped early would hang the rest.
+        loader = BatchDataLoader(dataset, sync_group=self._sync_group, num_workers=self.num_workers)
         if split == "train":
             self._train_loader = loader
         return loader

@@ -16,3 +16,55 @@ def criteo_sample() -> Path:
     if not (CRITEO_SAMPLE / "train_random4584.tsv").is_file():
         pytest.skip(f"real Criteo sample not found under {CRITEO_SAMPLE}")
     return CRITEO_SAMPLE
+
+
+@pytest.fixture
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on, for a test's process group."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def run_ranks(free_port):
+    """:func:`launch_ranks` on a free port."""
+    import functools
+
+    return functools.partial(launch_ranks, port=free_port)
+
+
+def launch_ranks(script: str, args: list[str], world: int, port: int, timeout: float = 600,
+                 ddp_env: bool = True) -> list[dict]:
+    """Run ``script`` as ``world`` processes of a process group on 127.0.0.1 and return the
+    JSON each prints on its ``RESULT`` line, ordered by rank.
+
+    With ``ddp_env`` the processes get the variables a launcher sets (RANK, WORLD_SIZE,
+    MASTER_ADDR...), so Lightning joins them instead of starting its own; the script also
+    gets its rank as the first argument.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    base = dict(os.environ, PYTHONWARNINGS="ignore")
+    if ddp_env and world > 1:
+        base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), NODE_RANK="0")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(r), *args],
+                              env=dict(base, LOCAL_RANK=str(r), RANK=str(r)) if ddp_env and world > 1 else base,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)  # a hang (e.g. at an epoch's end) fails here
+            line = next((l for l in out.splitlines() if l.startswith("RESULT ")), None)
+            assert p.returncode == 0 and line, err[-3000:]
+            results.append(json.loads(line[len("RESULT "):]))
+    finally:
+        for p in procs:
+            p.kill()
+    return results

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numba
 import numpy as np
 
@@ -22,17 +24,23 @@ def _fill(seed, tables, ids, bounds, out):
             out[i, d] = np.float32((2.0 * u - 1.0) * bounds[i])
 
 
+def table_key(name: str) -> int:
+    """A table's seed key, from its name alone: a table starts the same wherever it is
+    placed (its position in a collection, or the rank that owns its shard)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
+
+
 def initial_rows(seed: int, tables: np.ndarray, ids: np.ndarray, dim: int, bounds: np.ndarray) -> np.ndarray:
     """Uniform(-bound, bound) weights from a counter-based generator, float32 ``[n, dim]``.
 
-    ``tables`` are the rows' table indices in the collection and ``bounds`` their
+    ``tables`` are the rows' table keys (:func:`table_key`) and ``bounds`` their
     per-row bounds (torchrec's default is ``sqrt(1 / num_embeddings)``). The value at
     (row, column) depends only on (seed, table, id, column), so a row is the same
     whether it is first seen in training, in evaluation or after a restart.
 
     Example::
 
-        initial_rows(0, np.array([0, 0]), np.array([5, 10**12]), 4, bounds=np.array([0.01, 0.01]))
+        initial_rows(0, np.full(2, table_key("t0")), np.array([5, 10**12]), 4, bounds=np.array([0.01, 0.01]))
     """
     out = np.empty((len(ids), dim), dtype=np.float32)
     _fill(seed & 0xFFFFFFFFFFFFFFFF, np.ascontiguousarray(tables, dtype=np.int64),

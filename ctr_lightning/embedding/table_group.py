@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from ctr_lightning.embedding import cpu_kernels as kernels
-from ctr_lightning.embedding.initializer import initial_rows
+from ctr_lightning.embedding.initializer import initial_rows, table_key
 from ctr_lightning.embedding.key_index import dedup
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 from ctr_lightning.embedding.row_cache import RowCache, Rows
@@ -40,7 +40,6 @@ class TableGroup:
         optimizer: SparseOptimizer,
         device: torch.device,
         seed: int,
-        global_index: list[int],
         kernel: str = "auto",
     ) -> None:
         self.name = name
@@ -51,29 +50,20 @@ class TableGroup:
         self.optimizer = optimizer
         self.width = self.dim + state_width(optimizer, self.dim)
         self.seed = seed
-        self.global_index = np.array(global_index, dtype=np.int64)  # seeds rows by collection index
+        self.table_keys = np.array([table_key(t.name) for t in tables], dtype=np.int64)
         row_bytes = self.width * 4
         self.num_embeddings = np.array([t.num_embeddings for t in tables], dtype=np.int64)
         self.bounded = np.array(bounded_ids, dtype=bool)
         self.bounds = np.array([math.sqrt(1.0 / t.num_embeddings) for t in tables])
         self.steps = np.zeros(len(tables), dtype=np.int64)
         lfu = [s.eviction == "lfu" for s in storage]
-        device_caps = [s.device_capacity(row_bytes) for s in storage]
-        host_caps = [s.host_capacity(row_bytes) for s in storage]
+        device_caps, host_caps = self.check_storage(self.names, storage, row_bytes)
         ssd_dir = storage[0].ssd_dir
-        for t, dev, host in zip(self.names, device_caps, host_caps):
-            if host and ssd_dir is None:
-                raise ValueError(f"table {t!r}: a bounded host tier needs StorageConfig.ssd_dir for the rest")
-            if dev is not None and host is not None and ssd_dir is None:
-                raise ValueError(f"table {t!r}: bounded device and host tiers need an SSD tier")
         # Unbounded tiers reserve address space for every row the configs expect (never more
         # than _RESERVE_BYTES); untouched pages of the reservation cost no memory.
         reserve = int(min(self.num_embeddings.sum(), _RESERVE_BYTES // row_bytes))
         self.device_tier = RowCache(self.width, device_caps, lfu, device, reserve_rows=reserve)
         needs_host = any(c is not None for c in device_caps) and any(c != 0 for c in host_caps)
-        if needs_host and any(c == 0 for c in host_caps):
-            raise ValueError(f"tables {self.names}: a host capacity of 0 (no host tier) must hold for "
-                             f"every table that shares an SSD directory and dim")
         self.host_tier = RowCache(self.width, host_caps, lfu, "cpu", reserve_rows=reserve) if needs_host else None
         self.ssd: SsdStore | DirectSsdStore | None = None
         if ssd_dir is not None and self.bounded.all():
@@ -90,6 +80,24 @@ class TableGroup:
         # Autograd only calls a Function's backward when an input needs a gradient.
         self._placeholder = torch.zeros(0, requires_grad=True)
         self.stats = {"device_hits": 0, "host_hits": 0, "ssd_hits": 0, "new_rows": 0}
+
+    @staticmethod
+    def check_storage(names: list[str], storage: list[StorageConfig],
+                      row_bytes: int) -> tuple[list[int | None], list[int | None]]:
+        """The device and host capacities in rows; errors for tiers that cannot work together."""
+        device_caps = [s.device_capacity(row_bytes) for s in storage]
+        host_caps = [s.host_capacity(row_bytes) for s in storage]
+        ssd_dir = storage[0].ssd_dir
+        for t, dev, host in zip(names, device_caps, host_caps):
+            if host and ssd_dir is None:
+                raise ValueError(f"table {t!r}: a bounded host tier needs StorageConfig.ssd_dir for the rest")
+            if dev is not None and host is not None and ssd_dir is None:
+                raise ValueError(f"table {t!r}: bounded device and host tiers need an SSD tier")
+        needs_host = any(c is not None for c in device_caps) and any(c != 0 for c in host_caps)
+        if needs_host and any(c == 0 for c in host_caps):
+            raise ValueError(f"tables {names}: a host capacity of 0 (no host tier) must hold for "
+                             f"every table that shares an SSD directory and dim")
+        return device_caps, host_caps
 
     def move_device_tier(self, device: torch.device) -> None:
         """Follow ``module.to(device)``: the device tier moves, the host and SSD tiers stay."""
@@ -197,7 +205,7 @@ class TableGroup:
         return self.device_tier.insert(Rows(tables, ids, rows, np.zeros(len(ids), dtype=bool)))
 
     def _initial(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        return initial_rows(self.seed, self.global_index[tables], ids, self.dim, self.bounds[tables])
+        return initial_rows(self.seed, self.table_keys[tables], ids, self.dim, self.bounds[tables])
 
     def _demote(self, rows: Rows) -> None:
         """Write dirty rows leaving the device tier into the host tier (or the SSD)."""
@@ -294,23 +302,21 @@ class TableGroup:
         return {"tables": list(self.names), "table": torch.from_numpy(tables[first]),
                 "id": torch.from_numpy(ids[first]), "rows": values, "steps": torch.from_numpy(self.steps.copy())}
 
-    def load(self, state: dict) -> None:
-        if list(state["tables"]) != self.names or state["rows"].shape[1] != self.width:
-            raise ValueError(f"checkpoint holds tables {state['tables']} of width {state['rows'].shape[1]}, "
-                             f"this collection has {self.names} of width {self.width}")
+    def load(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor, steps: np.ndarray) -> None:
+        """Replace every stored row by ``rows`` of (``tables``, ``ids``); ``steps`` per table."""
         self.device_tier.clear()
         if self.host_tier is not None:
             self.host_tier.clear()
         if self.ssd is not None:
             self.ssd.clear()
-        self.steps = state["steps"].numpy().copy()
-        rows = Rows(state["table"].numpy(), state["id"].numpy(), state["rows"], np.ones(len(state["id"]), dtype=bool))
+        self.steps = np.asarray(steps, dtype=np.int64).copy()
+        loaded = Rows(tables, ids, rows, np.ones(len(ids), dtype=bool))
         if self.ssd is not None:
-            self._write_ssd(rows)
+            self._write_ssd(loaded)
         elif self.host_tier is not None:
-            self.host_tier.insert(rows)
+            self.host_tier.insert(loaded)
         else:
-            self.device_tier.insert(rows)
+            self.device_tier.insert(loaded)
 
 
 class _PooledRows(torch.autograd.Function):

@@ -5,15 +5,22 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import os
+
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
+from ctr_lightning.embedding.local_tables import LocalTables, table_groups
+from ctr_lightning.embedding.sharded_tables import ShardedTables
+from ctr_lightning.embedding.sharding_plan import TableSharding, plan_sharding
 from ctr_lightning.embedding.storage_config import StorageConfig
-from ctr_lightning.embedding.table_checks import align_features, check_tables
+from ctr_lightning.embedding.sparse_update import state_width
+from ctr_lightning.embedding.table_checks import check_tables
 from ctr_lightning.embedding.table_group import TableGroup
 
 
@@ -42,6 +49,12 @@ class TieredEmbeddingBagCollection(nn.Module):
         seed: initial values.
         kernel: ``"numba"`` (fused CPU kernels, the default on CPU), ``"torch"`` (generic
             torch ops, the default on CUDA), or ``"auto"``.
+        sharding: under torch.distributed with more than one rank, how tables are split:
+            ``"row_wise"`` (by a hash of the id), ``"table_wise"``, ``"auto"`` (see
+            :func:`plan_sharding`), or a dict table name -> kind. Each rank passes its own
+            batch; ids travel to their owners and pooled rows back (torchrec all-to-alls).
+            Each rank's SSD files go into ``<ssd_dir>/rank<r>``.
+        process_group: the ranks to shard over; default all, in a group of their own.
 
     Example::
 
@@ -52,6 +65,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             optimizer=SparseAdam(lr=1e-3))
         kt = ebc(kjt)             # KeyedTensor, as torchrec's EmbeddingBagCollection
         ebc.rows("t0", ids)       # current weights, without side effects
+        # Under torch.distributed (world size > 1) the same code shards the tables over ranks.
     """
 
     def __init__(
@@ -64,6 +78,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         device: torch.device | str | None = None,
         seed: int = 0,
         kernel: str = "auto",
+        sharding: str | Mapping[str, str] = "row_wise",
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         features = check_tables(tables, type(self).__name__)
@@ -83,45 +99,52 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._is_weighted = is_weighted
         self._feature_names = features
         self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
-        device = torch.device(device or "cpu")
-        # Tables that share dim, pooling, SSD directory and id space share tiers and kernel calls.
-        keys: dict[tuple, list[int]] = {}
-        for i, t in enumerate(tables):
-            key = (t.embedding_dim, t.pooling, per_table[t.name].ssd_dir, spaces[t.name])
-            keys.setdefault(key, []).append(i)
-        self._groups: list[TableGroup] = []
-        self._group_tables: list[list[int]] = []
-        for g, members in enumerate(keys.values()):
-            group_tables = [tables[i] for i in members]
-            self._groups.append(TableGroup(
-                name=f"group{g}_dim{group_tables[0].embedding_dim}",
-                tables=group_tables,
-                storage=[per_table[t.name] for t in group_tables],
-                bounded_ids=[spaces[t.name] == "bounded" for t in group_tables],
-                optimizer=optimizer,
-                device=device,
-                seed=seed,
-                global_index=members,
-                kernel=kernel,
-            ))
-            self._group_tables.append(members)
-        self._group_features = [[f for i in members for f in tables[i].feature_names]
-                                for members in self._group_tables]
-        # Per group, the local table index of each of its features, in KJT order.
-        self._group_feature_tables = [
-            np.array([local for local, i in enumerate(members) for _ in tables[i].feature_names], dtype=np.int64)
-            for members in self._group_tables
-        ]
-        self._group_order = [f for fs in self._group_features for f in fs]
-        # Columns of the groups' outputs, put back into config order (None when already so).
-        starts, col = {}, 0
-        for f in self._group_order:
-            starts[f] = col
-            col += self._dims[self._feature_names.index(f)]
-        order = [starts[f] + d for f, dim in zip(self._feature_names, self._dims) for d in range(dim)]
-        self._column_order = None if order == list(range(col)) else torch.tensor(order)
-        self._table_of_name = {t.name: (g, local) for g, members in enumerate(self._group_tables)
-                               for local, t in enumerate(tables[i] for i in members)}
+        self._storage = per_table
+        self._id_space = spaces
+        self._optimizer = optimizer
+        self._seed = seed
+        self._kernel = kernel
+        self._device = torch.device(device or "cpu")
+        if isinstance(sharding, str) and sharding not in ("row_wise", "table_wise", "auto"):
+            raise ValueError(f"sharding must be 'row_wise', 'table_wise', 'auto' or a dict, got {sharding!r}")
+        self._sharding = sharding
+        self._process_group = process_group
+        if kernel not in ("auto", "numba", "torch"):
+            raise ValueError(f"kernel must be 'auto', 'numba' or 'torch', got {kernel!r}")
+        if kernel == "numba" and torch.device(device or "cpu").type != "cpu":
+            raise ValueError("kernel='numba' needs the device tier in CPU memory")
+        for members in table_groups(tables, per_table, spaces):
+            group = [tables[i] for i in members]
+            width = group[0].embedding_dim + state_width(optimizer, group[0].embedding_dim)
+            TableGroup.check_storage([t.name for t in group], [per_table[t.name] for t in group], width * 4)
+            if per_table[group[0].name].ssd_dir is not None:
+                _check_directory(per_table[group[0].name].ssd_dir, [t.name for t in group])
+        # Built on first use: only then is it known whether torch.distributed runs, and
+        # the collection shards itself over the ranks (Lightning starts them after the
+        # model is made).
+        self._engine: LocalTables | ShardedTables | None = None
+
+    def _built(self) -> LocalTables | ShardedTables:
+        if self._engine is not None:
+            return self._engine
+        group = self._process_group
+        if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # Its own group, so the all-to-alls never interleave with DDP's all-reduces.
+            group = dist.new_group()
+        args = (self._storage, self._id_space, self._is_weighted, self._optimizer, self._device, self._seed,
+                self._kernel)
+        if group is not None and group.size() > 1:
+            plan = plan_sharding(self._tables, group.size(), self._sharding)
+            self._engine = ShardedTables(self._tables, *args, plan=plan, group=group, owner=type(self).__name__)
+        else:
+            self._engine = LocalTables(self._tables, *args, owner=type(self).__name__)
+        return self._engine
+
+    @property
+    def sharding_plan(self) -> dict[str, TableSharding] | None:
+        """Per table, how it is split over ranks; None when the collection is not sharded."""
+        engine = self._built()
+        return engine.plan if isinstance(engine, ShardedTables) else None
 
     # -- torchrec's interface ----------------------------------------------------------------
 
@@ -132,66 +155,66 @@ class TieredEmbeddingBagCollection(nn.Module):
         return self._is_weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        features = align_features(features, self._group_order, self._tables, type(self).__name__)
-        batch = features.stride()
-        lengths = features.length_per_key()
-        values = features.values()
-        weights = features.weights_or_none() if self._is_weighted else None
-        offsets = features.offsets()
         train = self.training and torch.is_grad_enabled()
-        outputs: list[torch.Tensor] = []
-        key_start = value_start = 0
-        for group, names, feature_tables in zip(self._groups, self._group_features, self._group_feature_tables):
-            n_keys = len(names)
-            n_values = sum(lengths[key_start : key_start + n_keys])
-            group_offsets = offsets[key_start * batch : (key_start + n_keys) * batch + 1] - value_start
-            ids = values[value_start : value_start + n_values].cpu().numpy().astype(np.int64, copy=False)
-            tables = np.repeat(feature_tables, lengths[key_start : key_start + n_keys])
-            group_weights = None if weights is None else weights[value_start : value_start + n_values]
-            outputs.append(group.lookup(ids, tables, group_offsets, group_weights, batch, train))
-            key_start += n_keys
-            value_start += n_values
-        pooled = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
-        if self._column_order is not None:  # groups interleave the config's feature order
-            pooled = pooled.index_select(1, self._column_order.to(pooled.device))
+        pooled = self._built().forward(features, train)
         return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=pooled)
 
     def _apply(self, fn: Any, recurse: bool = True) -> TieredEmbeddingBagCollection:
         # .to(device) / .cuda() (Lightning calls them) move the device tier with the module.
         super()._apply(fn, recurse)
         device = fn(torch.empty(0)).device
-        for group in self._groups:
-            group.move_device_tier(device)
+        if device != self._device:
+            if self._kernel == "numba" and device.type != "cpu":
+                raise ValueError("kernel='numba' needs the device tier in CPU memory")
+            self._device = device
+            if self._engine is not None:
+                self._engine.move_device_tier(device)
         return self
 
     # -- inspection ----------------------------------------------------------------------
 
     def rows(self, table: str, ids: torch.Tensor | np.ndarray | Sequence[int]) -> torch.Tensor:
-        """Current weights ``[len(ids), dim]`` of rows of ``table``; reads only, stores nothing."""
-        if table not in self._table_of_name:
+        """Current weights ``[len(ids), dim]`` of rows of ``table``; reads only, stores nothing.
+
+        When sharded, this is collective: every rank passes the same ids.
+        """
+        if table not in self._storage:
             raise KeyError(f"no table {table!r}; tables are {[t.name for t in self._tables]}")
-        g, local = self._table_of_name[table]
         ids = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64)
-        return self._groups[g].rows(local, ids)
+        engine = self._built()
+        if isinstance(engine, ShardedTables):
+            return engine.rows(table, torch.from_numpy(ids))
+        return engine.rows(table, ids)
 
     def tier_stats(self) -> dict[str, int]:
-        """Cumulative counts of rows served by each tier, and of rows first created."""
-        total: dict[str, int] = {}
-        for group in self._groups:
-            for k, v in group.stats.items():
-                total[k] = total.get(k, 0) + v
-        return total
+        """Cumulative counts of rows served by each tier, and of rows first created (this rank)."""
+        return self._built().tier_stats()
+
+    def comm_bytes(self) -> int:
+        """Bytes this rank has sent to other ranks in the sharded all-to-alls (0 unsharded)."""
+        engine = self._built()
+        return engine.bytes_sent if isinstance(engine, ShardedTables) else 0
 
     # -- checkpoints ---------------------------------------------------------------------
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {group.name: group.export() for group in self._groups}
+        # Per table, whatever the sharding: a checkpoint loads into any number of ranks.
+        # When sharded this is collective (Lightning builds checkpoints on every rank).
+        return {"tables": self._built().export()}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
-        for group in self._groups:
-            if group.name not in state:
-                raise KeyError(f"checkpoint has no rows for {group.name} (tables {group.names})")
-            group.load(state[group.name])
+        if "tables" not in state:
+            raise KeyError("checkpoint holds no 'tables' state for the TieredEmbeddingBagCollection")
+        self._built().load(state["tables"])
+
+
+def _check_directory(path: str, tables: list[str]) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise OSError(e.errno, f"SSD tier of tables {tables}: cannot create files in {path}: {e.strerror}") from e
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"SSD tier of tables {tables}: cannot create files in {path}: not writable")
 
 
 def _per_table(value: Any, names: list[str], what: str, kind: type) -> dict[str, Any]:

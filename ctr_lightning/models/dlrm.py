@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -38,6 +39,8 @@ class DLRMModule(pl.LightningModule):
         sparse_learning_rate: Adam learning rate of the tables (fused into backward).
         storage: tier capacities and SSD directory of the tables; default all in the device tier.
         seed: initial table weights.
+        sharding: how the tables split over ranks in a distributed run (``"row_wise"``,
+            ``"table_wise"``, ``"auto"``); see :class:`TieredEmbeddingBagCollection`.
 
     Example::
 
@@ -58,6 +61,7 @@ class DLRMModule(pl.LightningModule):
         sparse_learning_rate: float = 0.01,
         storage: StorageConfig | None = None,
         seed: int = 0,
+        sharding: str = "row_wise",
     ) -> None:
         super().__init__()
         if not sparse_feature_names:
@@ -73,7 +77,7 @@ class DLRMModule(pl.LightningModule):
             for name in sparse_feature_names
         ]
         self.embeddings = TieredEmbeddingBagCollection(
-            tables, storage=storage, optimizer=SparseAdam(lr=sparse_learning_rate), seed=seed)
+            tables, storage=storage, optimizer=SparseAdam(lr=sparse_learning_rate), seed=seed, sharding=sharding)
         self.dlrm = DLRM(
             embedding_bag_collection=self.embeddings,
             dense_in_features=num_dense_features,
@@ -82,6 +86,7 @@ class DLRMModule(pl.LightningModule):
         )
         self.val_metrics = _quality_metrics()
         self.test_metrics = _quality_metrics()
+        self._bytes_before = 0
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.dlrm(batch.dense, batch.sparse).squeeze(-1)
@@ -95,6 +100,15 @@ class DLRMModule(pl.LightningModule):
         loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)
         self.log("train/loss", loss, prog_bar=True, batch_size=len(batch))
         return loss
+
+    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
+        self._bytes_before = self.embeddings.comm_bytes()
+
+    def on_train_batch_end(self, outputs: Any, batch: Batch, batch_idx: int) -> None:
+        # After backward: the bytes this rank's all-to-alls sent in this step (0 unsharded).
+        sent = self.embeddings.comm_bytes() - self._bytes_before
+        if sent:
+            self.log("comm/embedding_bytes_per_step", float(sent), batch_size=len(batch))
 
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
         self._evaluate(batch, "val", self.val_metrics)

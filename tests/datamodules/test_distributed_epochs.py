@@ -1,9 +1,3 @@
-import json
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 
 from ctr_lightning.datamodules import write_synthetic_criteo
@@ -20,7 +14,7 @@ class Count(pl.Callback):
         Count.batches += 1
         Count.examples += len(batch)
 
-dm = CriteoDataModule(train_paths=[sys.argv[1]], batch_size=50, num_workers=int(sys.argv[2]))
+dm = CriteoDataModule(train_paths=[sys.argv[2]], batch_size=50, num_workers=int(sys.argv[3]))
 model = DLRMModule(num_embeddings=1000, embedding_dim=4, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
 trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -32,38 +26,15 @@ print("RESULT " + json.dumps({"rank": trainer.global_rank, "batches": Count.batc
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_ranks_take_equal_steps_on_uneven_shards(tmp_path, num_workers):
+def test_ranks_take_equal_steps_on_uneven_shards(tmp_path, num_workers, run_ranks):
     # Long lines first, short ones after: rank 0's half of the bytes holds far fewer rows.
     full = write_synthetic_criteo(tmp_path / "full.tsv", rows=600, seed=0).read_text().splitlines()
     short = ["\t".join(line.split("\t")[:1] + [""] * 39) for line in full]
     path = tmp_path / "uneven.tsv"
     path.write_text("\n".join(full + short) + "\n")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", NODE_RANK="0",
-               PYTHONWARNINGS="ignore")
-    procs = [
-        subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(path), str(num_workers)],
-                         env=dict(env, LOCAL_RANK=str(r), RANK=str(r)), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-        for r in range(2)
-    ]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=300)  # a hang at the end of an epoch fails here
-            line = next((l for l in out.splitlines() if l.startswith("RESULT ")), None)
-            assert p.returncode == 0 and line, err[-3000:]
-            results.append(json.loads(line[len("RESULT "):]))
-    finally:
-        for p in procs:
-            p.kill()
+    results = run_ranks(RANK_SCRIPT, [str(path), str(num_workers)], world=2, timeout=300)
     a, b = sorted(results, key=lambda r: r["rank"])
     assert a["batches"] == b["batches"] > 0
     # Two epochs: every example was trained on or counted as held back, each epoch.

@@ -163,7 +163,7 @@ def test_untouched_rows_are_stored_nowhere_and_deterministic(tmp_path):
                                                   lengths=torch.tensor([1, 1, 1, 1]))
         ebc(kjt)
     state = ebc.get_extra_state()
-    assert sum(len(g["id"]) for g in state.values()) == 0  # looked up, never trained: not stored
+    assert sum(len(t["ids"]) for t in state["tables"].values()) == 0  # looked up, never trained: not stored
 
 
 def test_hashed_ids_are_collision_free():
@@ -299,7 +299,7 @@ def test_device_tier_in_gpu_memory_matches_cpu(tmp_path):
     optimizer = SparseAdam(lr=0.05)
     cpu = TieredEmbeddingBagCollection(TABLES, storage=tiny_tiers(tmp_path / "cpu"), optimizer=optimizer)
     gpu = TieredEmbeddingBagCollection(TABLES, storage=tiny_tiers(tmp_path / "gpu"), optimizer=optimizer).cuda()
-    assert gpu._groups[0].device_tier.values.is_cuda  # the device tier followed .cuda()
+    assert gpu._built().groups[0].device_tier.values.is_cuda  # the device tier followed .cuda()
     for kjt, target in workload(0, 20):
         loss_of(cpu(kjt), target).backward()
         out = gpu(kjt.to("cuda"))

@@ -1,0 +1,164 @@
+"""The tables one process holds: table groups, and the KJT -> pooled tensor step over them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ctr_lightning.embedding.optimizers import SparseOptimizer
+from ctr_lightning.embedding.storage_config import StorageConfig
+from ctr_lightning.embedding.table_checks import align_features
+from ctr_lightning.embedding.table_group import TableGroup
+
+
+def table_groups(tables: Sequence[EmbeddingBagConfig], storage: Mapping[str, StorageConfig],
+                 id_space: Mapping[str, str]) -> list[list[int]]:
+    """Indices of the tables that share dim, pooling, SSD directory and id space."""
+    keys: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tables):
+        keys.setdefault((t.embedding_dim, t.pooling, storage[t.name].ssd_dir, id_space[t.name]), []).append(i)
+    return list(keys.values())
+
+
+class LocalTables:
+    """Tables held whole by this process, grouped so tables that share dim, pooling, SSD
+    directory and id space share tiers and kernel calls.
+
+    This is the engine behind :class:`TieredEmbeddingBagCollection` in one process, and
+    behind each rank's shard when the collection is sharded.
+
+    Example::
+
+        local = LocalTables(tables, {t.name: StorageConfig() for t in tables},
+                            {t.name: "hashed" for t in tables}, False, SparseAdam(), torch.device("cpu"), 0, "auto")
+        pooled = local.forward(kjt, train=True)   # [batch, sum of dims], config feature order
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        storage: Mapping[str, StorageConfig],
+        id_space: Mapping[str, str],
+        is_weighted: bool,
+        optimizer: SparseOptimizer,
+        device: torch.device,
+        seed: int,
+        kernel: str,
+        owner: str = "TieredEmbeddingBagCollection",
+    ) -> None:
+        self.tables = list(tables)
+        self.is_weighted = is_weighted
+        self.owner = owner
+        self.feature_names = [f for t in tables for f in t.feature_names]
+        self.dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+        self.groups: list[TableGroup] = []
+        group_tables = table_groups(tables, storage, id_space)
+        for g, members in enumerate(group_tables):
+            members_tables = [tables[i] for i in members]
+            self.groups.append(TableGroup(
+                name=f"group{g}_dim{members_tables[0].embedding_dim}",
+                tables=members_tables,
+                storage=[storage[t.name] for t in members_tables],
+                bounded_ids=[id_space[t.name] == "bounded" for t in members_tables],
+                optimizer=optimizer,
+                device=device,
+                seed=seed,
+                kernel=kernel,
+            ))
+        self.group_features = [[f for i in members for f in tables[i].feature_names] for members in group_tables]
+        # Per group, the local table index of each of its features, in KJT order.
+        self.group_feature_tables = [
+            np.array([local for local, i in enumerate(members) for _ in tables[i].feature_names], dtype=np.int64)
+            for members in group_tables
+        ]
+        self.group_order = [f for fs in self.group_features for f in fs]
+        # Columns of the groups' outputs, put back into config order (None when already so).
+        starts, col = {}, 0
+        for f in self.group_order:
+            starts[f] = col
+            col += self.dims[self.feature_names.index(f)]
+        order = [starts[f] + d for f, dim in zip(self.feature_names, self.dims) for d in range(dim)]
+        self.column_order = None if order == list(range(col)) else torch.tensor(order)
+        self.table_of_name = {tables[i].name: (g, local) for g, members in enumerate(group_tables)
+                              for local, i in enumerate(members)}
+
+    def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
+        """Pooled embeddings ``[batch, sum of dims]`` in config feature order."""
+        features = align_features(features, self.group_order, self.tables, self.owner)
+        batch = features.stride()
+        lengths = features.length_per_key()
+        values = features.values()
+        weights = features.weights_or_none() if self.is_weighted else None
+        offsets = features.offsets()
+        outputs: list[torch.Tensor] = []
+        key_start = value_start = 0
+        for group, names, feature_tables in zip(self.groups, self.group_features, self.group_feature_tables):
+            n_keys = len(names)
+            n_values = sum(lengths[key_start : key_start + n_keys])
+            group_offsets = offsets[key_start * batch : (key_start + n_keys) * batch + 1] - value_start
+            ids = values[value_start : value_start + n_values].cpu().numpy().astype(np.int64, copy=False)
+            tables = np.repeat(feature_tables, lengths[key_start : key_start + n_keys])
+            group_weights = None if weights is None else weights[value_start : value_start + n_values]
+            outputs.append(group.lookup(ids, tables, group_offsets, group_weights, batch, train))
+            key_start += n_keys
+            value_start += n_values
+        pooled = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        if self.column_order is not None:  # groups interleave the config's feature order
+            pooled = pooled.index_select(1, self.column_order.to(pooled.device))
+        return pooled
+
+    def move_device_tier(self, device: torch.device) -> None:
+        for group in self.groups:
+            group.move_device_tier(device)
+
+    def rows(self, table: str, ids: np.ndarray) -> torch.Tensor:
+        g, local = self.table_of_name[table]
+        return self.groups[g].rows(local, ids)
+
+    def tier_stats(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for group in self.groups:
+            for k, v in group.stats.items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def export(self) -> dict[str, dict[str, Any]]:
+        """Per table name: ``ids``, ``rows`` (``[n, dim + optimizer state]``) and ``steps``."""
+        out: dict[str, dict[str, Any]] = {}
+        for group in self.groups:
+            state = group.export()
+            table = state["table"].numpy()
+            for local, name in enumerate(group.names):
+                mine = torch.from_numpy(np.flatnonzero(table == local))
+                out[name] = {"ids": state["id"][mine], "rows": state["rows"][mine],
+                             "steps": int(state["steps"][local])}
+        return out
+
+    def load(self, state: Mapping[str, Mapping[str, Any]],
+             keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Load :meth:`export`'s per-table state; ``keep(table, ids)`` selects the rows this
+        process holds (a shard), default all."""
+        missing = [t.name for t in self.tables if t.name not in state]
+        if missing:
+            raise KeyError(f"checkpoint has no rows for tables {missing}; it has {sorted(state)}")
+        for group in self.groups:
+            tables, ids, rows = [], [], []
+            for local, name in enumerate(group.names):
+                table_state = state[name]
+                if table_state["rows"].shape[1] != group.width:
+                    raise ValueError(f"table {name!r}: checkpoint rows have width {table_state['rows'].shape[1]} "
+                                     f"(weights + optimizer state), this collection stores {group.width}")
+                table_ids, table_rows = table_state["ids"], table_state["rows"]
+                if keep is not None:
+                    mask = keep(name, table_ids)
+                    table_ids, table_rows = table_ids[mask], table_rows[mask]
+                tables.append(np.full(len(table_ids), local, dtype=np.int64))
+                ids.append(table_ids.numpy().astype(np.int64))
+                rows.append(table_rows)
+            steps = np.array([int(state[name]["steps"]) for name in group.names], dtype=np.int64)
+            group.load(np.concatenate(tables), np.concatenate(ids), torch.cat(rows), steps)

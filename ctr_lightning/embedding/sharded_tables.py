@@ -1,0 +1,235 @@
+"""Tables sharded over the ranks of a process group: ids travel to their owners, pooled
+embeddings travel back, through torchrec's all-to-all modules."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ctr_lightning.embedding.local_tables import LocalTables
+from ctr_lightning.embedding.optimizers import SparseOptimizer
+from ctr_lightning.embedding.sharding_plan import TableSharding, row_owner
+from ctr_lightning.embedding.storage_config import StorageConfig
+from ctr_lightning.embedding.table_checks import align_features
+
+
+class ShardedTables:
+    """Each rank's shard of the tables, and the two all-to-alls around its lookup.
+
+    A rank holds the rows it owns of every row-wise table (an id's owner is
+    :func:`row_owner`) and the table-wise tables placed on it. One step:
+
+    1. ids are bucketed by owner and sent with :class:`KJTAllToAll`: every owner gets,
+       for each of its features, the bags of all ranks' batches (only the ids it owns);
+    2. the owner pools them with its :class:`LocalTables` (row-wise shards pool by sum);
+    3. :class:`PooledEmbeddingsAllToAll` returns each rank's pooled rows; row-wise
+       partial sums are added up (and divided by the bag length for mean pooling).
+
+    Backward runs the same way in reverse, to the owner's fused optimizer. torchrec's
+    all-to-all divides the returning gradients by the world size, so the update equals
+    that of one process training on the global batch, as DDP's averaged dense gradients do.
+
+    Example::
+
+        plan = plan_sharding(tables, dist.get_world_size(), "row_wise")
+        sharded = ShardedTables(tables, storage, id_space, False, SparseAdam(), device, 0, "auto", plan, group)
+        pooled = sharded.forward(local_kjt, train=True)   # [local batch, sum of dims]
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        storage: Mapping[str, StorageConfig],
+        id_space: Mapping[str, str],
+        is_weighted: bool,
+        optimizer: SparseOptimizer,
+        device: torch.device,
+        seed: int,
+        kernel: str,
+        plan: Mapping[str, TableSharding],
+        group: dist.ProcessGroup,
+        owner: str = "TieredEmbeddingBagCollection",
+    ) -> None:
+        self.tables = list(tables)
+        self.plan = dict(plan)
+        self.group = group
+        self.world = group.size()
+        self.rank = dist.get_rank(group)
+        self.owner = owner
+        self.is_weighted = is_weighted
+        self.feature_names = [f for t in tables for f in t.feature_names]
+        self.dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+        row_wise = [t for t in tables if plan[t.name].kind == "row_wise"]
+        on_rank = [[t for t in tables if plan[t.name].kind == "table_wise" and plan[t.name].owner == r]
+                   for r in range(self.world)]
+        # Row-wise shards pool by sum; a mean is taken once all partial sums are in.
+        local_tables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in row_wise] + on_rank[self.rank]
+        local_storage = {name: _rank_storage(s, self.rank) for name, s in storage.items()}
+        self.local = LocalTables(local_tables, local_storage, id_space, is_weighted, optimizer, device, seed,
+                                 kernel, owner)
+        index = {f: i for i, f in enumerate(self.feature_names)}
+        rw_features = [index[f] for t in row_wise for f in t.feature_names]
+        # Keys sent to rank r, in the order r's LocalTables expects them.
+        self.send = [rw_features + [index[f] for t in on_rank[r] for f in t.feature_names]
+                     for r in range(self.world)]
+        self.local_keys = [self.feature_names[i] for i in self.send[self.rank]]
+        self.send_keys = [f"{self.feature_names[i]}@{r}" for r in range(self.world) for i in self.send[r]]
+        # key_of[r, f]: the sent key that carries feature f's ids owned by rank r (-1: none).
+        self.key_of = torch.full((self.world, len(self.feature_names)), -1, dtype=torch.int64)
+        k = 0
+        for r in range(self.world):
+            for f in self.send[r]:
+                self.key_of[r, f] = k
+                k += 1
+        self.row_wise_feature = torch.zeros(len(self.feature_names), dtype=torch.bool)
+        self.row_wise_feature[rw_features] = True
+        self.table_owner = torch.tensor([plan[t.name].owner for t in tables for _ in t.feature_names])
+        dims = torch.tensor(self.dims)
+        self.rw_dim = int(dims[rw_features].sum())
+        dim_sum_per_rank = [int(dims[self.send[r]].sum()) for r in range(self.world)]
+        # Columns of [sum of row-wise partials | rank 0's table-wise | rank 1's ...] in config order.
+        starts, col = {}, 0
+        for f in rw_features:
+            starts[f] = col
+            col += self.dims[f]
+        for r in range(self.world):
+            for f in self.send[r][len(rw_features):]:
+                starts[f] = col
+                col += self.dims[f]
+        self.column_order = torch.tensor(
+            [starts[f] + d for f in range(len(self.feature_names)) for d in range(self.dims[f])])
+        self.block_starts = [0]
+        for d in dim_sum_per_rank:
+            self.block_starts.append(self.block_starts[-1] + d)
+        self.mean_columns = torch.tensor(
+            [f for t in row_wise if t.pooling == PoolingType.MEAN for f in map(index.get, t.feature_names)],
+            dtype=torch.int64)
+        self.ids_a2a = KJTAllToAll(group, [len(s) for s in self.send])
+        self.pooled_a2a = PooledEmbeddingsAllToAll(group, dim_sum_per_rank)
+        self.bytes_sent = 0  # by this rank to other ranks, all-to-alls of forward and backward
+
+    # -- one step --------------------------------------------------------------------------
+
+    def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
+        features = align_features(features, self.feature_names, self.tables, self.owner)
+        sent = self.bucketize(features)
+        arriving = self.ids_a2a(sent).wait()
+        # Batch sizes may differ between ranks (an epoch's last batch), so take each rank's.
+        strides = [int(s) for s in arriving._stride_per_rank]
+        received = arriving.wait()
+        local_in = KeyedJaggedTensor(keys=self.local_keys, values=received.values(), lengths=received.lengths(),
+                                     weights=received.weights_or_none(), stride=sum(strides))
+        pooled_local = self.local.forward(local_in, train)
+        pooled = self.pooled_a2a(pooled_local, batch_size_per_rank=strides).wait()
+        self._count_bytes(sent, strides, pooled_local, train)
+        return self.assemble(pooled, features)
+
+    def _count_bytes(self, sent: KeyedJaggedTensor, strides: list[int], pooled_local: torch.Tensor,
+                     train: bool) -> None:
+        per_key = torch.tensor(sent.length_per_key())
+        first = sum(len(self.send[r]) for r in range(self.rank))
+        own = slice(first, first + len(self.send[self.rank]))
+        values_out = int(per_key.sum() - per_key[own].sum())
+        value_bytes = sent.values().element_size() + (0 if sent.weights_or_none() is None else 4)
+        lengths_out = (len(self.send_keys) - len(self.local_keys)) * sent.stride()
+        ids = values_out * value_bytes + lengths_out * sent.lengths().element_size()
+        # Forward: the pooled rows of other ranks' bags; backward: the gradient of ours.
+        row_bytes = pooled_local.shape[1] * pooled_local.element_size()
+        pooled = (sum(strides) - strides[self.rank]) * row_bytes
+        if train:
+            own_dim = self.block_starts[self.rank + 1] - self.block_starts[self.rank]
+            pooled += strides[self.rank] * (self.block_starts[-1] - own_dim) * pooled_local.element_size()
+        self.bytes_sent += ids + pooled
+
+    def bucketize(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """The KJT with each feature's ids split by owner: keys ordered by destination rank."""
+        batch = features.stride()
+        lengths = features.lengths().to(torch.int64)
+        values = features.values()
+        n_features = len(self.feature_names)
+        segment = torch.repeat_interleave(torch.arange(n_features * batch), lengths)
+        feature = segment // batch
+        dest = torch.where(self.row_wise_feature[feature], row_owner(values.cpu(), self.world),
+                           self.table_owner[feature])
+        out_segment = self.key_of[dest, feature] * batch + segment % batch
+        order = torch.argsort(out_segment, stable=True)
+        out_lengths = torch.bincount(out_segment, minlength=len(self.send_keys) * batch)
+        weights = features.weights_or_none()
+        return KeyedJaggedTensor(keys=self.send_keys, values=values[order.to(values.device)],
+                                 lengths=out_lengths.to(torch.int32),
+                                 weights=None if weights is None else weights[order.to(weights.device)],
+                                 stride=batch)
+
+    def assemble(self, pooled: torch.Tensor, features: KeyedJaggedTensor) -> torch.Tensor:
+        """``[batch, sum of dims]`` in config order from the blocks the owners sent back."""
+        blocks = [pooled[:, self.block_starts[r] : self.block_starts[r + 1]] for r in range(self.world)]
+        row_wise = sum(b[:, : self.rw_dim] for b in blocks)
+        parts = [row_wise] + [b[:, self.rw_dim :] for b in blocks]
+        out = torch.cat(parts, dim=1).index_select(1, self.column_order.to(pooled.device))
+        if len(self.mean_columns):
+            out = self._divide_by_lengths(out, features)
+        return out
+
+    def _divide_by_lengths(self, out: torch.Tensor, features: KeyedJaggedTensor) -> torch.Tensor:
+        batch = features.stride()
+        lengths = features.lengths().reshape(len(self.feature_names), batch).T.to(out.dtype).clamp(min=1)
+        scale = torch.ones(batch, len(self.feature_names), dtype=out.dtype, device=out.device)
+        scale[:, self.mean_columns] = 1.0 / lengths[:, self.mean_columns].to(out.device)
+        per_column = scale.repeat_interleave(torch.tensor(self.dims, device=out.device), dim=1)
+        return out * per_column
+
+    # -- reads, checkpoints ----------------------------------------------------------------
+
+    def owns(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Which of ``ids`` of ``table`` this rank holds."""
+        sharding = self.plan[table]
+        if sharding.kind == "row_wise":
+            return row_owner(ids, self.world) == self.rank
+        return torch.full(ids.shape, sharding.owner == self.rank, dtype=torch.bool)
+
+    def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Collective: every rank passes the same ids and gets the owners' rows."""
+        dim = next(t.embedding_dim for t in self.tables if t.name == table)
+        out = torch.zeros(len(ids), dim)
+        mine = self.owns(table, ids)
+        if mine.any():
+            out[mine] = self.local.rows(table, ids[mine].numpy())
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def tier_stats(self) -> dict[str, int]:
+        return self.local.tier_stats()
+
+    def export(self) -> dict[str, dict[str, Any]]:
+        """Collective: every rank gets the rows of all shards, per table."""
+        shards: list[Any] = [None] * self.world
+        dist.all_gather_object(shards, self.local.export(), group=self.group)
+        out: dict[str, dict[str, Any]] = {}
+        for t in self.tables:
+            parts = [s[t.name] for s in shards if t.name in s]
+            out[t.name] = {"ids": torch.cat([p["ids"] for p in parts]), "rows": torch.cat([p["rows"] for p in parts]),
+                           "steps": max(p["steps"] for p in parts)}
+        return out
+
+    def load(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        self.local.load(state, keep=self.owns)
+
+    def move_device_tier(self, device: torch.device) -> None:
+        self.local.move_device_tier(device)
+
+
+def _rank_storage(storage: StorageConfig, rank: int) -> StorageConfig:
+    # Ranks on one machine must not share SSD files.
+    if storage.ssd_dir is None:
+        return storage
+    return dataclasses.replace(storage, ssd_dir=os.path.join(storage.ssd_dir, f"rank{rank}"))
+
+

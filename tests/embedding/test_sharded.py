@@ -1,0 +1,128 @@
+import numpy as np
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+from ctr_lightning.embedding.sharding_plan import TableSharding, plan_sharding, row_owner
+
+# Run by each rank, and by the single-process reference (world size 1): the same global
+# batches, each rank taking its slice, with the SSD tier in use.
+RANK_SCRIPT = r"""
+import json, os, sys
+import numpy as np, torch, torch.distributed as dist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+
+rank, world, out_dir, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+if world > 1:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+TABLES = [
+    EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=400, feature_names=["f0"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=300, feature_names=["f1"],
+                       pooling=PoolingType.MEAN),
+    EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=200, feature_names=["f2", "f3"]),
+]
+GLOBAL_BATCH, STEPS = 64, 8
+
+def global_batch(step):
+    rng = np.random.default_rng(step)
+    lengths = np.stack([np.ones(GLOBAL_BATCH, dtype=np.int64), rng.integers(0, 4, GLOBAL_BATCH),
+                        np.ones(GLOBAL_BATCH, dtype=np.int64), rng.integers(0, 3, GLOBAL_BATCH)])
+    ids = [rng.zipf(1.3, size=l.sum()) % n * 7919 for l, n in zip(lengths, (400, 300, 200, 200))]
+    return lengths, ids
+
+def local_kjt(step):
+    lengths, ids = global_batch(step)
+    share = GLOBAL_BATCH // world
+    values, lens = [], []
+    for l, v in zip(lengths, ids):
+        offsets = np.concatenate([[0], np.cumsum(l)])
+        lo, hi = rank * share, (rank + 1) * share
+        values.append(v[offsets[lo]:offsets[hi]])
+        lens.append(l[lo:hi])
+    return KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=torch.from_numpy(np.concatenate(values)),
+                             lengths=torch.from_numpy(np.concatenate(lens)))
+
+loss_weights = torch.randn(24, generator=torch.Generator().manual_seed(0))
+results = {}
+for kind in ("row_wise", "table_wise", {"t0": "row_wise", "t1": "table_wise", "t2": "auto"}):
+    label = kind if isinstance(kind, str) else "mixed"
+    ssd_dir = os.path.join(out_dir, f"ssd_{label}_{world}")
+    ebc = TieredEmbeddingBagCollection(
+        TABLES, optimizer=SparseAdam(lr=0.05), sharding=kind,
+        storage={t: StorageConfig(device_rows=rows, host_rows=0, ssd_dir=ssd_dir)
+                 for t, rows in (("t0", 60), ("t1", 100), ("t2", 160))})
+    for step in range(STEPS):
+        pooled = ebc(local_kjt(step)).values()
+        (pooled @ loss_weights).mean().backward()  # a mean over the local batch, as DDP ranks take
+    seen = {t.name: sorted({int(i) for s in range(STEPS) for f, v in zip(["f0", "f1", "f2", "f3"], global_batch(s)[1])
+                            if f in t.feature_names for i in v}) for t in TABLES}
+    rows = {name: ebc.rows(name, ids) for name, ids in seen.items()}  # collective when sharded
+    state = ebc.get_extra_state()  # collective too: every rank gets all shards
+    if rank == 0:
+        torch.save({"rows": rows, "seen": seen, "state": state, "stats": ebc.tier_stats(),
+                    "plan": {k: (v.kind, v.owner) for k, v in (ebc.sharding_plan or {}).items()},
+                    "bytes": ebc.comm_bytes()}, os.path.join(out_dir, f"{label}_{world}.pt"))
+print("RESULT {}", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_equal_one_process(tmp_path, run_ranks, free_port):
+    for world in (1, 2):  # the script joins its own gloo group, so no launcher variables
+        run_ranks(RANK_SCRIPT, [str(world), str(tmp_path), str(free_port)], world=world, ddp_env=False)
+    for label in ("row_wise", "table_wise", "mixed"):
+        one = torch.load(tmp_path / f"{label}_1.pt", weights_only=False)
+        two = torch.load(tmp_path / f"{label}_2.pt", weights_only=False)
+        assert one["plan"] == {}  # one process: nothing to shard
+        for name, rows in one["rows"].items():
+            assert len(one["seen"][name]) > 20
+            torch.testing.assert_close(two["rows"][name], rows, atol=1e-5, rtol=0)
+            # The gathered checkpoint holds every trained row, with its optimizer state.
+            a, b = one["state"]["tables"][name], two["state"]["tables"][name]
+            assert sorted(a["ids"].tolist()) == sorted(b["ids"].tolist())
+            order_a, order_b = torch.argsort(a["ids"]), torch.argsort(b["ids"])
+            torch.testing.assert_close(b["rows"][order_b], a["rows"][order_a], atol=1e-5, rtol=0)
+            assert a["steps"] == b["steps"] == 8
+        assert two["stats"]["ssd_hits"] > 0  # rows really went through the SSD tier
+        assert two["bytes"] > 0
+    plans = {label: torch.load(tmp_path / f"{label}_2.pt", weights_only=False)["plan"]
+             for label in ("row_wise", "table_wise", "mixed")}
+    assert {k for k, _ in plans["row_wise"].values()} == {"row_wise"}
+    assert {o for _, o in plans["table_wise"].values()} == {0, 1}  # tables spread over both ranks
+    assert plans["mixed"]["t0"][0] == "row_wise" and plans["mixed"]["t1"][0] == "table_wise"
+    # A checkpoint of two shards loads into one process.
+    two = torch.load(tmp_path / "row_wise_2.pt", weights_only=False)
+    one = torch.load(tmp_path / "row_wise_1.pt", weights_only=False)
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=400, feature_names=["f0"]),
+              EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=300, feature_names=["f1"],
+                                 pooling=PoolingType.MEAN),
+              EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=200, feature_names=["f2", "f3"])]
+    restored = TieredEmbeddingBagCollection(tables, optimizer=SparseAdam(lr=0.05))
+    restored.set_extra_state(two["state"])
+    for name, ids in one["seen"].items():
+        torch.testing.assert_close(restored.rows(name, ids), one["rows"][name], atol=1e-5, rtol=0)
+
+
+def test_plan_sharding_places_tables():
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=n, feature_names=[f"f{i}"])
+              for i, n in enumerate([10**6, 1000, 800, 600, 400])]
+    plan = plan_sharding(tables, world_size=2, sharding="auto")
+    assert plan["t0"] == TableSharding("row_wise")  # larger than half of all rows
+    small = [plan[f"t{i}"].owner for i in range(1, 5)]
+    assert plan["t1"].kind == "table_wise" and sorted(set(small)) == [0, 1]
+    assert plan_sharding(tables, 3, "table_wise")["t0"].owner == 0
+    with pytest.raises(ValueError, match=r"table 't1': sharding must be"):
+        plan_sharding(tables, 2, {"t0": "row_wise", "t1": "column_wise", "t2": "auto", "t3": "auto", "t4": "auto"})
+    with pytest.raises(ValueError, match=r"tables without a setting \['t4'\]"):
+        plan_sharding(tables, 2, {f"t{i}": "auto" for i in range(4)})
+    with pytest.raises(ValueError, match="sharding must be"):
+        TieredEmbeddingBagCollection(tables, sharding="rows")
+
+
+def test_row_owner_spreads_ids_evenly():
+    for ids in (torch.arange(100_000), torch.from_numpy(np.random.default_rng(0).integers(0, 2**62, 100_000))):
+        counts = torch.bincount(row_owner(ids, 4), minlength=4)
+        assert counts.min() > 0.95 * 25_000 and counts.max() < 1.05 * 25_000
