@@ -7,14 +7,19 @@ backward + sparse update:
   (c) ctr-lightning TieredEmbeddingBagCollection, Adam, every row in the device tier
   (d) the same with 10% of the rows in DRAM (the device tier, which is DRAM on a CPU
       machine; no separate host tier) and the rest on SSD
-Prints lookups/s and the ratios. Absolute numbers on shared 2-core machines are noise.
+  (e) (d) with the working-set prefetcher reading 4 batches ahead
+Prints lookups/s, the ratios, and for (d) and (e) the time each step waited on SSD
+reads. Absolute numbers on shared 2-core machines are noise. By default the SSD files
+stay in the page cache, as they do on a machine with DRAM to spare; ``--cold-ssd``
+drops them after every step so reads wait on the device.
 
-    python benchmarks/bench_embedding.py [--rows 200000 --steps 10]
+    python benchmarks/bench_embedding.py [--rows 200000 --steps 10 --cold-ssd]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 import time
@@ -27,7 +32,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection, WorkingSetPrefetcher
 
 TABLES, DIM, BATCH = 26, 64, 4096
 
@@ -52,7 +57,7 @@ def configs(rows: int) -> list[EmbeddingBagConfig]:
             for i in range(TABLES)]
 
 
-def time_interleaved(steps: dict[str, object], warmup_batches, batches, repeats: int) -> dict[str, float]:
+def time_interleaved(passes: dict[str, object], warmup_batches, batches, repeats: int) -> dict[str, float]:
     """Lookups/s of each configuration: a warm-up pass each, then ``repeats`` rounds in
     which every configuration times one pass in turn; the best pass counts.
 
@@ -60,17 +65,35 @@ def time_interleaved(steps: dict[str, object], warmup_batches, batches, repeats:
     the warm-up brings the working set in (first-touch rows for us, page faults and
     allocator warm-up for everyone).
     """
-    for step in steps.values():
-        for kjt in warmup_batches:
-            step(kjt)
-    best = {name: float("inf") for name in steps}
+    for run_pass in passes.values():
+        run_pass(warmup_batches)
+    best = {name: float("inf") for name in passes}
     for _ in range(repeats):
-        for name, step in steps.items():
+        for name, run_pass in passes.items():
             start = time.perf_counter()
-            for kjt in batches:
-                step(kjt)
+            run_pass(batches)
             best[name] = min(best[name], time.perf_counter() - start)
     return {name: len(batches) * TABLES * BATCH / seconds for name, seconds in best.items()}
+
+
+def each(step):
+    """A pass that runs ``step`` on every batch."""
+    def run_pass(batches):
+        for kjt in batches:
+            step(kjt)
+    return run_pass
+
+
+def prefetched(ebc, step, lookahead: int):
+    """A pass through the working-set prefetcher; its waiting is counted in ``wait_us``."""
+    def run_pass(batches):
+        prefetcher = WorkingSetPrefetcher(batches, ebc, lookahead=lookahead, release_on_next=True)
+        for kjt in prefetcher:
+            step(kjt)
+        run_pass.wait_us += prefetcher.wait_us
+        run_pass.startup_us += prefetcher.startup_wait_us
+    run_pass.wait_us = run_pass.startup_us = 0
+    return run_pass
 
 
 def torchrec_fused(rows: int):
@@ -107,9 +130,17 @@ def torch_sparse_adam(rows: int):
     return step
 
 
-def ours(rows: int, storage: StorageConfig | None):
+def ours(rows: int, storage: StorageConfig | None, cold: bool = False):
     ebc = TieredEmbeddingBagCollection(configs(rows), storage=storage, optimizer=SparseAdam(lr=1e-3))
-    return ebc, lambda kjt: ebc(kjt).values().sum().backward()
+
+    def step(kjt):
+        ebc(kjt).values().sum().backward()
+        if cold:  # the SSD tier's pages leave the page cache: reads go to the device
+            for group in ebc._built().groups:
+                with group.ssd.lock:
+                    os.fdatasync(group.ssd.fd)
+                    os.posix_fadvise(group.ssd.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    return ebc, step
 
 
 def main() -> None:
@@ -119,28 +150,46 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="batches per timed pass")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds; the best pass counts")
     parser.add_argument("--zipf", type=float, default=1.1, help="skew (the synthetic Criteo default)")
+    parser.add_argument("--lookahead", type=int, default=4, help="batches the prefetcher reads ahead in (e)")
+    parser.add_argument("--cold-ssd", action="store_true",
+                        help="after each step of (d) and (e), sync the SSD files and drop them from the page "
+                             "cache, so SSD reads hit the device instead of DRAM")
     args = parser.parse_args()
     warmup = zipf_batches(args.rows, args.warmup, seed=0, s=args.zipf)
     batches = zipf_batches(args.rows, args.steps, seed=1, s=args.zipf)
     print(f"{TABLES} tables x {args.rows:,} rows, dim {DIM}, batch {BATCH}, Zipf s={args.zipf}")
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_SSD_DIR")) as ssd:
         # On a CPU machine the device tier is DRAM already: all 10% go there, no second copy.
-        tiered, tiered_step = ours(args.rows, StorageConfig(device_rows=args.rows // 10, host_rows=0, ssd_dir=ssd))
-        steps = {
-            "(a) torchrec DMP fused, row-wise Adagrad": torchrec_fused(args.rows)[1],
-            "(b) nn.EmbeddingBag + SparseAdam": torch_sparse_adam(args.rows),
-            "(c) ours, Adam, all in device tier": ours(args.rows, None)[1],
-            "(d) ours, Adam, 10% DRAM + SSD": tiered_step,
+        tiers = StorageConfig(device_rows=args.rows // 10, host_rows=0)
+        tiered, tiered_step = ours(args.rows, dataclasses.replace(tiers, ssd_dir=os.path.join(ssd, "d")), args.cold_ssd)
+        ahead, ahead_step = ours(args.rows, dataclasses.replace(tiers, ssd_dir=os.path.join(ssd, "e")), args.cold_ssd)
+        ahead_pass = prefetched(ahead, ahead_step, args.lookahead)
+        passes = {
+            "(a) torchrec DMP fused, row-wise Adagrad": each(torchrec_fused(args.rows)[1]),
+            "(b) nn.EmbeddingBag + SparseAdam": each(torch_sparse_adam(args.rows)),
+            "(c) ours, Adam, all in device tier": each(ours(args.rows, None)[1]),
+            "(d) ours, Adam, 10% DRAM + SSD": each(tiered_step),
+            f"(e) (d) + prefetch {args.lookahead} ahead": ahead_pass,
         }
-        results = time_interleaved(steps, warmup, batches, args.repeats)
-        stats = tiered.tier_stats()
+        results = time_interleaved(passes, warmup, batches, args.repeats)
+        stats, ahead_stats = tiered.tier_stats(), ahead.tier_stats()
+    steps_run = (args.warmup + args.repeats * args.steps)
     print(f"{'configuration':<44}{'lookups/s':>14}")
     for name, rate in results.items():
         print(f"{name:<44}{rate:>14,.0f}")
-    a, _, c, d = results.values()
+    a, _, c, d, e = results.values()
     print(f"ratio (c)/(a): {c / a:.2f}x   (target >= 1.0)")
     print(f"ratio (d)/(c): {d / c:.2f}x   (target >= 0.5)")
-    print(f"(d) rows served by tier: {stats}")
+    print(f"ratio (e)/(c): {e / c:.2f}x   (target >= 0.8)")
+    print(f"(d) SSD stall per step: {stats['ssd_stall_us'] / 1000 / steps_run:.2f} ms")
+    passes_run = 1 + args.repeats
+    steady = ahead_stats["ssd_stall_us"] + ahead_pass.wait_us - ahead_pass.startup_us
+    print(f"(e) SSD stall per step: {steady / 1000 / (steps_run - passes_run):.2f} ms after the first batch of a "
+          f"pass (demand reads {ahead_stats['ssd_stall_us'] / 1000 / steps_run:.2f}); the first batch, which "
+          f"nothing precedes, waited {ahead_pass.startup_us / 1000 / passes_run:.1f} ms")
+    print(f"(e) prefetch hits {ahead_stats['prefetch_hits']:,}, demand SSD reads {ahead_stats['ssd_hits']:,}, "
+          f"read ahead {ahead_stats['prefetch_bytes'] / 2**20:,.0f} MiB")
+    print(f"(d) rows served by tier: { {k: stats[k] for k in ('device_hits', 'ssd_hits', 'new_rows')} }")
 
 
 if __name__ == "__main__":

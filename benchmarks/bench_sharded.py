@@ -10,8 +10,8 @@ sparse update. It runs, each as its own set of processes on 127.0.0.1:
             row-wise Adagrad (torchrec cannot shard row-wise on CPU)
 Prints global examples/s for 1 and 2 ranks, the ratios, and the bytes our all-to-alls
 send per step. The configurations take turns over ``--rounds`` rounds; the best counts.
-On a 2-core machine two ranks share the cores, so this measures the overhead of
-sharding, not a speed-up.
+On a 2-core machine two ranks share the cores (one thread each), so this measures the
+overhead of sharding, not a speed-up.
 
     python benchmarks/bench_sharded.py [--rows 100000 --steps 10 --rounds 2]
 """
@@ -83,6 +83,12 @@ def _model(impl: str, rows: int, world: int, ssd_dir: str):
 
 
 def rank_main(args) -> None:
+    # Ranks share the cores: each gets its share of threads, as OMP_NUM_THREADS would.
+    threads = max(1, (os.cpu_count() or 1) // args.world)
+    torch.set_num_threads(threads)
+    import numba
+
+    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
                             world_size=args.world)
     warmup = [_local(k, args.rank, args.world) for k in zipf_batches(args.rows, args.warmup, seed=0)]
@@ -145,8 +151,11 @@ def main() -> None:
     for (impl, world), r in best.items():
         print(f"{impl:<30}{world:>6}{r['examples_per_s']:>14,.0f}{r['bytes_per_step']:>22,.0f}")
     for world in (1, 2):
-        ours, tr = best[("ours", world)]["examples_per_s"], best[("torchrec", world)]["examples_per_s"]
-        print(f"{world} rank(s): ours row-wise / torchrec table-wise = {ours / tr:.2f}x")
+        tr = best[("torchrec", world)]["examples_per_s"]
+        for impl in ("ours", "ours tw"):
+            kind = "table-wise" if impl == "ours tw" else "row-wise"
+            print(f"{world} rank(s): ours {kind} / torchrec table-wise = "
+                  f"{best[(impl, world)]['examples_per_s'] / tr:.2f}x")
     for impl in ("ours", "ours tw", "torchrec"):
         print(f"{impl}: 2 ranks / 1 rank = {best[(impl, 2)]['examples_per_s'] / best[(impl, 1)]['examples_per_s']:.2f}x")
 

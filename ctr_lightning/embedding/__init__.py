@@ -3,6 +3,8 @@
 from ctr_lightning.embedding.fused import FusedEmbeddingBagCollection
 from ctr_lightning.embedding.storage_config import StorageConfig, plan_storage
 from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
+from ctr_lightning.embedding.prefetch import WorkingSetPrefetcher
+from ctr_lightning.embedding.sharding_plan import TableSharding, plan_sharding
 from ctr_lightning.embedding.optimizers import (
     RowWiseAdagrad,
     SparseAdagrad,
@@ -19,6 +21,9 @@ __all__ = [
     "SparseOptimizer",
     "SparseSGD",
     "StorageConfig",
+    "TableSharding",
     "TieredEmbeddingBagCollection",
+    "WorkingSetPrefetcher",
+    "plan_sharding",
     "plan_storage",
 ]

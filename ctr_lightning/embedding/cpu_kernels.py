@@ -14,7 +14,7 @@ import numpy as np
 SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = 0, 1, 2, 3
 
 
-@numba.njit(parallel=True, cache=True, fastmath={"contract"})
+@numba.njit(parallel=True, cache=True, fastmath={"contract"}, nogil=True)
 def pool_forward(storage, dim, slots, inverse, offsets, weights, mean, batch, out):
     """out[b, f*dim : (f+1)*dim] = pooled rows of bag f*batch + b (feature-major bags)."""
     bags = len(offsets) - 1
@@ -36,7 +36,7 @@ def pool_forward(storage, dim, slots, inverse, offsets, weights, mean, batch, ou
                 acc[d] *= scale
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def occurrences_by_row(inverse, num_rows):
     """CSR of id positions per unique row, positions in increasing order (a counting sort)."""
     counts = np.zeros(num_rows + 1, dtype=np.int64)
@@ -53,7 +53,7 @@ def occurrences_by_row(inverse, num_rows):
     return counts, positions
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def bag_of_ids(offsets, num_ids):
     bag = np.empty(num_ids, dtype=np.int64)
     for k in range(len(offsets) - 1):
@@ -62,7 +62,7 @@ def bag_of_ids(offsets, num_ids):
     return bag
 
 
-@numba.njit(parallel=True, cache=True, fastmath={"contract"})
+@numba.njit(parallel=True, cache=True, fastmath={"contract"}, nogil=True)
 def backward_update(storage, dim, slots, row_ptr, positions, bag, offsets, weights, mean, batch,
                     grad_out, kind, params, step_scale, scratch):
     """For every touched row: gradient = sum over its ids of the pooled-output gradient,

@@ -12,7 +12,7 @@ from ctr_lightning.hashing import splitmix64_one as _splitmix64
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-@numba.njit(parallel=True, cache=True)
+@numba.njit(parallel=True, cache=True, nogil=True)
 def _fill(seed, tables, ids, bounds, out):
     dim = out.shape[1]
     seed_key = _splitmix64(np.uint64(seed))

@@ -19,7 +19,7 @@ def _bucket(key: np.int64, tag: np.int64, mask: np.int64) -> np.int64:
     return np.int64(h >> np.uint64(20)) & mask
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _lookup(keys_table, tags_table, slots_table, keys, tags, out):
     mask = np.int64(len(keys_table) - 1)
     for i in range(len(keys)):
@@ -34,7 +34,7 @@ def _lookup(keys_table, tags_table, slots_table, keys, tags, out):
             b = (b + 1) & mask
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _find(keys_table, tags_table, k, t, mask):
     b = _bucket(k, t, mask)
     while keys_table[b] != -1 and not (keys_table[b] == k and tags_table[b] == t):
@@ -42,7 +42,7 @@ def _find(keys_table, tags_table, k, t, mask):
     return b
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _insert(keys_table, tags_table, slots_table, keys, tags, slots) -> int:
     """Insert or overwrite; returns how many keys were new."""
     mask = np.int64(len(keys_table) - 1)
@@ -57,7 +57,7 @@ def _insert(keys_table, tags_table, slots_table, keys, tags, slots) -> int:
     return added
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _remove(keys_table, tags_table, slots_table, keys, tags) -> int:
     mask = np.int64(len(keys_table) - 1)
     removed = 0
@@ -146,7 +146,7 @@ class KeyIndex:
         self._count = _insert(self._keys, self._tags, self._slots, keys, tags, slots)
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _dedup(keys, tags, first, inverse) -> int:
     n = len(keys)
     size = 16

@@ -87,26 +87,34 @@ class LocalTables:
         self.table_of_name = {tables[i].name: (g, local) for g, members in enumerate(group_tables)
                               for local, i in enumerate(members)}
 
-    def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
-        """Pooled embeddings ``[batch, sum of dims]`` in config feature order."""
+    def split(self, features: KeyedJaggedTensor) -> list[tuple[np.ndarray, np.ndarray, torch.Tensor,
+                                                                torch.Tensor | None]]:
+        """Per group: ``(ids, local table of each id, bag offsets, weights)``."""
         features = align_features(features, self.group_order, self.tables, self.owner)
         batch = features.stride()
         lengths = features.length_per_key()
         values = features.values()
         weights = features.weights_or_none() if self.is_weighted else None
         offsets = features.offsets()
-        outputs: list[torch.Tensor] = []
+        out = []
         key_start = value_start = 0
-        for group, names, feature_tables in zip(self.groups, self.group_features, self.group_feature_tables):
+        for names, feature_tables in zip(self.group_features, self.group_feature_tables):
             n_keys = len(names)
             n_values = sum(lengths[key_start : key_start + n_keys])
             group_offsets = offsets[key_start * batch : (key_start + n_keys) * batch + 1] - value_start
             ids = values[value_start : value_start + n_values].cpu().numpy().astype(np.int64, copy=False)
             tables = np.repeat(feature_tables, lengths[key_start : key_start + n_keys])
             group_weights = None if weights is None else weights[value_start : value_start + n_values]
-            outputs.append(group.lookup(ids, tables, group_offsets, group_weights, batch, train))
+            out.append((ids, tables, group_offsets, group_weights))
             key_start += n_keys
             value_start += n_values
+        return out
+
+    def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
+        """Pooled embeddings ``[batch, sum of dims]`` in config feature order."""
+        batch = features.stride()
+        outputs = [group.lookup(ids, tables, offsets, weights, batch, train)
+                   for group, (ids, tables, offsets, weights) in zip(self.groups, self.split(features))]
         pooled = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         if self.column_order is not None:  # groups interleave the config's feature order
             pooled = pooled.index_select(1, self.column_order.to(pooled.device))

@@ -71,6 +71,7 @@ class RowCache:
         self.dirty = np.zeros(slots, dtype=bool)
         self.last_used = np.zeros(slots, dtype=np.int64)
         self.uses = np.zeros(slots, dtype=np.int64)
+        self.needed_until = np.full(slots, -1, dtype=np.int64)  # last upcoming batch that needs the row
         self.never_used = 0  # slots [never_used, len) were never handed out
         self.free = np.empty(0, dtype=np.int64)  # released slots, reused first
         self.index.clear()
@@ -98,12 +99,22 @@ class RowCache:
         over = self.occupancy + incoming - self.capacity
         return np.where(self.capacity >= 0, np.maximum(over, 0), 0)
 
-    def choose_victims(self, need: np.ndarray, pinned: np.ndarray, names: list[str]) -> tuple[np.ndarray, Rows]:
+    def choose_victims(self, need: np.ndarray, pinned: np.ndarray, names: list[str],
+                       needed_after: int | None = None) -> tuple[np.ndarray, Rows]:
         """``need[t]`` unpinned rows of each table t to evict: ``(slots, rows)``.
 
+        With ``needed_after``, rows an upcoming batch needs (``needed_until >=
+        needed_after``, set by a prefetcher) are spared too, as long as enough others remain.
         The caller writes the dirty ones below, then calls :meth:`release`, so a failed
         write leaves them here.
         """
+        if needed_after is not None:
+            upcoming = np.flatnonzero(self.needed_until[: self.never_used] >= needed_after)
+            if len(upcoming):
+                try:
+                    return self.choose_victims(need, np.concatenate([pinned, upcoming]), names)
+                except RuntimeError:
+                    pass  # the lookahead wants more than fits: keep only this batch's pins
         if not need.any():
             empty = np.empty(0, dtype=np.int64)
             return empty, self._rows(empty)
@@ -161,6 +172,7 @@ class RowCache:
         self.dirty[fresh] = False
         self.occupancy += np.bincount(rows.tables[new], minlength=len(self.occupancy))
         self.uses[fresh] = 0
+        self.needed_until[fresh] = -1
         self.last_used[fresh] = self.clock
         self.values[torch.from_numpy(slots).to(self.device)] = rows.values.to(self.device)
         self.dirty[slots] |= rows.dirty
@@ -178,6 +190,7 @@ class RowCache:
         self.dirty = np.concatenate([self.dirty, np.zeros(pad, dtype=bool)])
         self.last_used = np.concatenate([self.last_used, np.zeros(pad, dtype=np.int64)])
         self.uses = np.concatenate([self.uses, np.zeros(pad, dtype=np.int64)])
+        self.needed_until = np.concatenate([self.needed_until, np.full(pad, -1, dtype=np.int64)])
 
     def _rows(self, slots: np.ndarray) -> Rows:
         index = torch.from_numpy(slots).to(self.device)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 from pathlib import Path
 
 import numba
@@ -23,7 +24,7 @@ _pwrite.restype = ctypes.c_ssize_t
 _GARBAGE_BYTES = 64 << 20
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)
 def _runs(records):
     """Start indices of the runs of adjacent records (ascending input), plus the end."""
     starts = [0]
@@ -35,7 +36,8 @@ def _runs(records):
 
 
 # Not cached on disk: numba cannot cache functions that call through ctypes pointers.
-@numba.njit
+# nogil: a prefetch thread reads while the training thread computes.
+@numba.njit(nogil=True)
 def _transfer_records(fd, rows, records, write) -> int:
     """pwrite ``rows`` to (or pread them from) ``records`` (ascending), one call per run of
     adjacent records; returns the first row of a failed run, or -1."""
@@ -78,6 +80,9 @@ class RecordFile:
                                    f"{self.directory}: {e.strerror}") from e
         self.bytes_written = 0
         self.bytes_read = 0
+        # Held while the layout changes (writes, compaction) and while a prefetch thread
+        # locates rows; reading located records needs no lock (see :meth:`read_located`).
+        self.lock = threading.Lock()
 
     def _fail(self, action: str, err: int) -> OSError:
         return OSError(err, f"SSD tier of tables {self.table_names}: {action} {self.path} failed: "
@@ -95,6 +100,12 @@ class RecordFile:
             out[order] = sorted_out
             self.bytes_read += out.nbytes
         return out
+
+    def read_located(self, records: np.ndarray, fd: int) -> np.ndarray:
+        """Rows at ``records`` found by :meth:`locate`, read without the lock (by a prefetch
+        thread). A concurrent write or compaction may make them stale or garbage: the
+        tokens from :meth:`locate` tell, once compared with fresh ones."""
+        return self._read(fd, records)
 
     def _write(self, fd: int, rows: np.ndarray, records: np.ndarray, action: str = "writing") -> None:
         """Rows to ``records`` (any order), written in ascending runs."""
@@ -144,26 +155,38 @@ class SsdStore(RecordFile):
         self.garbage_records = max(1, garbage_bytes // self.record_bytes)  # tolerated beyond 2x live
         self.index = KeyIndex()
         self.records = 0  # records in the log, live or not
+        self.compactions = 0
+        self._retired = -1
 
     def __len__(self) -> int:
         return len(self.index)
 
     def read(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(found mask, rows [found, width], records)`` for the rows stored here."""
-        records = self.index.lookup(ids, tables)
-        found = records >= 0
-        return found, self._read(self.fd, records[found]), records[found]
+        with self.lock:
+            records = self.index.lookup(ids, tables)
+            found = records >= 0
+            return found, self._read(self.fd, records[found]), records[found]
+
+    def locate(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """``(records, tokens, fd)``: where each row is (-1: not here), and a token that
+        changes whenever its stored copy does (the log never rewrites a record in place,
+        except by compaction, which the token counts)."""
+        with self.lock:
+            records = self.index.lookup(ids, tables)
+            return records, np.where(records >= 0, records + (self.compactions << 40), -1), self.fd
 
     def write(self, tables: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
         """Store rows (unique (table, id) pairs), replacing earlier versions."""
         if not len(ids):
             return
-        records = np.arange(self.records, self.records + len(ids), dtype=np.int64)
-        self._write(self.fd, rows, records)
-        self.index.insert(ids, tables, records)  # only now do readers see the new copies
-        self.records += len(ids)
-        if self.records > 2 * len(self.index) + self.garbage_records:
-            self.compact()
+        with self.lock:
+            records = np.arange(self.records, self.records + len(ids), dtype=np.int64)
+            self._write(self.fd, rows, records)
+            self.index.insert(ids, tables, records)  # only now do readers see the new copies
+            self.records += len(ids)
+            if self.records > 2 * len(self.index) + self.garbage_records:
+                self.compact()
 
     def compact(self, chunk_rows: int = 1 << 16) -> None:
         """Rewrite the live records into a new file and swap it in, ``chunk_rows`` at a time."""
@@ -182,10 +205,20 @@ class SsdStore(RecordFile):
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
-        os.close(self.fd)
-        self.fd = fd
+        # The old descriptor stays open for a prefetch thread that may still read it; its
+        # rows are then stale by their tokens and dropped.
+        if self._retired >= 0:
+            os.close(self._retired)
+        self._retired, self.fd = self.fd, fd
         self.index.insert(ids, tables, np.arange(len(ids), dtype=np.int64))
         self.records = len(ids)
+        self.compactions += 1
+
+    def close(self) -> None:
+        if getattr(self, "_retired", -1) >= 0:
+            os.close(self._retired)
+            self._retired = -1
+        super().close()
 
     def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """All stored ``(tables, ids, rows)``."""
@@ -194,17 +227,20 @@ class SsdStore(RecordFile):
         return tables, ids, rows
 
     def clear(self) -> None:
-        os.ftruncate(self.fd, 0)
-        self.index.clear()
-        self.records = 0
+        with self.lock:
+            os.ftruncate(self.fd, 0)
+            self.index.clear()
+            self.records = 0
+            self.compactions += 1
 
 
 class DirectSsdStore(RecordFile):
     """Rows of tables with bounded ids, each at a fixed record: table base + id.
 
-    No index: one presence byte per possible row, in a calloc'ed array whose pages
-    cost memory only where rows were stored, so DRAM use stays flat however large the
-    tables grow. The file is sparse; rows are written in place.
+    No index: one 32-bit version per possible row (0: never stored), in a calloc'ed
+    array whose pages cost memory only where rows were stored, so DRAM use stays flat
+    however large the tables grow. The file is sparse; rows are written in place, and
+    each write bumps the row's version, which a prefetch thread's reads are checked by.
 
     Example::
 
@@ -216,28 +252,43 @@ class DirectSsdStore(RecordFile):
                  num_embeddings: list[int]) -> None:
         super().__init__(directory, name, width, table_names)
         self.base = np.concatenate([[0], np.cumsum(num_embeddings)[:-1]]).astype(np.int64)
-        self.present = np.zeros(int(np.sum(num_embeddings)), dtype=bool)
+        self.version = np.zeros(int(np.sum(num_embeddings)), dtype=np.uint32)
+        self.clears = 0
 
     def __len__(self) -> int:
-        return int(np.count_nonzero(self.present))
+        return int(np.count_nonzero(self.version))
 
     def read(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        records = self.base[tables] + ids
-        found = self.present[records]
-        return found, self._read(self.fd, records[found]), records[found]
+        with self.lock:
+            records = self.base[tables] + ids
+            found = self.version[records] > 0
+            return found, self._read(self.fd, records[found]), records[found]
+
+    def locate(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """As :meth:`SsdStore.locate`; the token is the row's version."""
+        with self.lock:
+            records = self.base[tables] + ids
+            version = self.version[records].astype(np.int64)
+            return (np.where(version > 0, records, -1), np.where(version > 0, version + (self.clears << 32), -1),
+                    self.fd)
 
     def write(self, tables: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
         if not len(ids):
             return
         records = self.base[tables] + ids
-        self._write(self.fd, rows, records)
-        self.present[records] = True
+        with self.lock:
+            self._write(self.fd, rows, records)
+            # Bumped after the data: a read racing the write sees a new version later.
+            version = self.version[records] + np.uint32(1)
+            self.version[records] = np.where(version == 0, np.uint32(1), version)
 
     def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        records = np.flatnonzero(self.present)
+        records = np.flatnonzero(self.version)
         tables = np.searchsorted(self.base, records, side="right") - 1
         return tables, records - self.base[tables], self._read(self.fd, records)
 
     def clear(self) -> None:
-        os.ftruncate(self.fd, 0)
-        self.present = np.zeros_like(self.present)
+        with self.lock:
+            os.ftruncate(self.fd, 0)
+            self.version = np.zeros_like(self.version)
+            self.clears += 1

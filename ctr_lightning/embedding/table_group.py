@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import torch
@@ -11,11 +12,12 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from ctr_lightning.embedding import cpu_kernels as kernels
 from ctr_lightning.embedding.initializer import initial_rows, table_key
-from ctr_lightning.embedding.key_index import dedup
+from ctr_lightning.embedding.key_index import KeyIndex, dedup
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 from ctr_lightning.embedding.row_cache import RowCache, Rows
 from ctr_lightning.embedding.sparse_update import apply_update, kernel_optimizer, state_width
 from ctr_lightning.embedding.ssd import DirectSsdStore, SsdStore
+from ctr_lightning.embedding.staging import StagedChunk, StagedRows
 from ctr_lightning.embedding.storage_config import StorageConfig
 
 
@@ -79,7 +81,15 @@ class TableGroup:
         self.use_numba = kernel == "numba" or (kernel == "auto" and self.device_tier.device.type == "cpu")
         # Autograd only calls a Function's backward when an input needs a gradient.
         self._placeholder = torch.zeros(0, requires_grad=True)
-        self.stats = {"device_hits": 0, "host_hits": 0, "ssd_hits": 0, "new_rows": 0}
+        self.stats = {"device_hits": 0, "host_hits": 0, "ssd_hits": 0, "new_rows": 0, "prefetch_hits": 0,
+                      "prefetched_rows": 0, "prefetch_bytes": 0, "prefetch_failures": 0, "prefetch_stale": 0, "ssd_stall_us": 0}
+        # Working-set prefetch (see WorkingSetPrefetcher): rows read ahead, and which
+        # upcoming batch last needs each registered row.
+        self.staged = StagedRows()
+        self.upcoming = KeyIndex()
+        self._registered: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._dedup_cache: dict[int, tuple[np.ndarray, ...]] = {}
+        self.current_batch: int | None = None  # the batch running now, when prefetching
 
     @staticmethod
     def check_storage(names: list[str], storage: list[StorageConfig],
@@ -128,8 +138,7 @@ class TableGroup:
 
         With ``train``, the touched rows are updated by the sparse optimizer in backward.
         """
-        self.validate(tables, ids)
-        first, inverse = dedup(ids, tables)
+        first, inverse = self._dedup(ids, tables)
         u_tables, u_ids = tables[first], ids[first]
         slots = self.device_tier.lookup(u_tables, u_ids)
         miss = slots < 0
@@ -187,7 +196,17 @@ class TableGroup:
                 self.stats["host_hits"] += int(hit.sum())
         if self.ssd is not None and not filled.all():
             rest = np.flatnonzero(~filled)
+            if self.current_batch is not None:
+                found, data, stale = self.staged.take(tables[rest], ids[rest], self._ssd_tokens)
+                self.stats["prefetch_stale"] += stale
+                if found.any():
+                    rows[torch.from_numpy(rest[found])] = data
+                    filled[rest[found]] = True
+                    self.stats["prefetch_hits"] += int(found.sum())
+                    rest = rest[~found]
+            start = time.perf_counter()
             found, data, _ = self.ssd.read(tables[rest], ids[rest])
+            self.stats["ssd_stall_us"] += int((time.perf_counter() - start) * 1e6)
             if found.any():
                 rows[torch.from_numpy(rest[found])] = torch.from_numpy(data)
                 filled[rest[found]] = True
@@ -199,10 +218,89 @@ class TableGroup:
             self.stats["new_rows"] += len(new)
         need = self.device_tier.room_needed(tables)
         pinned_all = np.concatenate([pinned, *self._pinned]) if self._pinned else pinned
-        victim_slots, victims = self.device_tier.choose_victims(need, pinned_all, self.names)
+        victim_slots, victims = self.device_tier.choose_victims(need, pinned_all, self.names,
+                                                                needed_after=self.current_batch)
         self._demote(victims.select(victims.dirty))
         self.device_tier.release(victim_slots)
-        return self.device_tier.insert(Rows(tables, ids, rows, np.zeros(len(ids), dtype=bool)))
+        slots = self.device_tier.insert(Rows(tables, ids, rows, np.zeros(len(ids), dtype=bool)))
+        if self.current_batch is not None and len(self.upcoming):
+            self.device_tier.needed_until[slots] = self.upcoming.lookup(ids, tables)
+        return slots
+
+    # -- working-set prefetch --------------------------------------------------------------
+
+    def _dedup(self, ids: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Validated and deduplicated ids, reusing the work :meth:`register` did on the
+        same batch (the cache is keyed by the ids' memory and checked for equality)."""
+        cached = self._dedup_cache.pop(ids.ctypes.data, None) if self._dedup_cache else None
+        if (cached is not None and len(cached[0]) == len(ids) and np.array_equal(cached[0], ids)
+                and np.array_equal(cached[1], tables)):
+            return cached[2], cached[3]
+        self.validate(tables, ids)
+        return dedup(ids, tables)
+
+    def _ssd_tokens(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return self.ssd.locate(tables, ids)[1]
+
+    def register(self, tables: np.ndarray, ids: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Note that upcoming ``batch`` needs these rows: those in memory are spared from
+        eviction until it has run. Returns the rows to read ahead: in neither memory tier.
+
+        Training thread only; batches are registered in increasing order.
+        """
+        if self.current_batch is None:
+            self.current_batch = batch
+        self.validate(tables, ids)
+        first, inverse = dedup(ids, tables)
+        self._dedup_cache[ids.ctypes.data] = (ids, tables, first, inverse)
+        while len(self._dedup_cache) > 64:  # batches read ahead but never looked up (evaluation)
+            self._dedup_cache.pop(next(iter(self._dedup_cache)))
+        tables, ids = tables[first], ids[first]
+        slots = self.device_tier.lookup(tables, ids)
+        present = slots >= 0
+        self.device_tier.needed_until[slots[present]] = batch
+        # Rows not in the device tier get their batch noted, to be spared once they arrive.
+        tables, ids = tables[~present], ids[~present]
+        self.upcoming.insert(ids, tables, np.full(len(ids), batch, dtype=np.int64))
+        self._registered[batch] = (tables, ids)
+        if self.host_tier is not None:
+            in_host = self.host_tier.lookup(tables, ids) >= 0
+            tables, ids = tables[~in_host], ids[~in_host]
+        return tables, ids
+
+    def stage(self, tables: np.ndarray, ids: np.ndarray, batch: int) -> None:
+        """Read the SSD copies of these rows into DRAM for ``batch`` (prefetch thread)."""
+        if self.ssd is None or not len(ids):
+            return
+        try:
+            records, tokens, fd = self.ssd.locate(tables, ids)
+            there = records >= 0
+            rows = self.ssd.read_located(records[there], fd)
+        except OSError:
+            # A compaction closed the file under the read: those rows come on demand.
+            self.stats["prefetch_failures"] += 1
+            return
+        self.staged.put(StagedChunk(batch, tables[there], ids[there], tokens[there], rows))
+        self.stats["prefetched_rows"] += len(rows)
+        self.stats["prefetch_bytes"] += rows.nbytes
+
+    def release(self, batch: int) -> None:
+        """``batch`` has run: drop what was read ahead for it and its spared rows."""
+        self.current_batch = batch + 1
+        self.staged.release(batch)
+        for b in [b for b in self._registered if b <= batch]:
+            tables, ids = self._registered.pop(b)
+            last = self.upcoming.lookup(ids, tables)
+            done = last <= batch
+            self.upcoming.remove(ids[done], tables[done])
+
+    def stop_prefetch(self) -> None:
+        """Back to fetching on demand only."""
+        self.current_batch = None
+        self.staged.clear()
+        self.upcoming.clear()
+        self._registered.clear()
+        self._dedup_cache.clear()
 
     def _initial(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return initial_rows(self.seed, self.table_keys[tables], ids, self.dim, self.bounds[tables])

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import functools
 import os
 
 import numpy as np
@@ -187,13 +188,42 @@ class TieredEmbeddingBagCollection(nn.Module):
         return engine.rows(table, ids)
 
     def tier_stats(self) -> dict[str, int]:
-        """Cumulative counts of rows served by each tier, and of rows first created (this rank)."""
+        """Cumulative counts (this rank): rows served by each tier, rows first created, rows
+        served from what the prefetcher read ahead, rows and bytes it read, and the
+        microseconds training waited on SSD reads (``ssd_stall_us``)."""
         return self._built().tier_stats()
 
     def comm_bytes(self) -> int:
         """Bytes this rank has sent to other ranks in the sharded all-to-alls (0 unsharded)."""
         engine = self._built()
         return engine.bytes_sent if isinstance(engine, ShardedTables) else 0
+
+    # -- working-set prefetch (driven by WorkingSetPrefetcher) -----------------------------
+
+    def register_upcoming(self, features: KeyedJaggedTensor, batch: int) -> list[Callable[[], None]]:
+        """Note the rows upcoming ``batch`` (numbered in increasing order) will touch, and
+        return the reads that bring in those on SSD: callables for a background thread."""
+        engine = self._built()
+        if isinstance(engine, ShardedTables):
+            raise NotImplementedError(
+                "working-set prefetch reads this rank's own batches, but a sharded collection's rows are "
+                "owned by other ranks; sharded collections fetch on demand")
+        reads = []
+        for group, (ids, tables, _, _) in zip(engine.groups, engine.split(features)):
+            missing_tables, missing_ids = group.register(tables, ids, batch)
+            if len(missing_ids):
+                reads.append(functools.partial(group.stage, missing_tables, missing_ids, batch))
+        return reads
+
+    def release_upcoming(self, batch: int) -> None:
+        """``batch`` has run: forget what was read ahead for it."""
+        engine = self._built()
+        for group in getattr(engine, "groups", []):
+            group.release(batch)
+
+    def stop_prefetch(self) -> None:
+        for group in getattr(self._built(), "groups", []):
+            group.stop_prefetch()
 
     # -- checkpoints ---------------------------------------------------------------------
 

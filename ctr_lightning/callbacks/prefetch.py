@@ -1,0 +1,85 @@
+"""The working-set prefetcher in a Lightning fit, with its counters on TensorBoard."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from ctr_lightning.embedding.prefetch import WorkingSetPrefetcher
+from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
+
+
+class WorkingSetPrefetch(Callback):
+    """Reads ``lookahead`` training batches ahead and brings their rows in from SSD
+    while the current ones train (see :class:`WorkingSetPrefetcher`).
+
+    It wraps the train dataloader at the start of each epoch and finds every
+    :class:`TieredEmbeddingBagCollection` in the LightningModule. Logged per step:
+
+    - ``prefetch/hit_rate``: of the rows that had to come from SSD, the share already read ahead;
+    - ``prefetch/ssd_stall_ms``: time the step waited on SSD reads, its own or unfinished reads ahead;
+    - ``prefetch/bytes_read``: bytes the prefetch thread read.
+
+    Example::
+
+        Trainer(callbacks=[WorkingSetPrefetch(lookahead=8)])
+    """
+
+    def __init__(self, lookahead: int = 8) -> None:
+        if lookahead < 1:
+            raise ValueError(f"lookahead must be >= 1, got {lookahead}")
+        self.lookahead = lookahead
+        self.prefetcher: WorkingSetPrefetcher | None = None
+        self._collections: list[TieredEmbeddingBagCollection] = []
+        self._last: dict[str, int] = {}
+
+    def _totals(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for collection in self._collections:
+            for k, v in collection.tier_stats().items():
+                totals[k] = totals.get(k, 0) + v
+        return totals
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._collections = [m for m in pl_module.modules() if isinstance(m, TieredEmbeddingBagCollection)]
+        if not self._collections:
+            raise ValueError(f"WorkingSetPrefetch: {type(pl_module).__name__} has no TieredEmbeddingBagCollection")
+        loaders = trainer.fit_loop._combined_loader
+        if loaders is None or len(loaders.flattened) != 1:
+            raise ValueError("WorkingSetPrefetch needs exactly one train dataloader")
+        loader = loaders.flattened[0]
+        if not isinstance(loader, WorkingSetPrefetcher):  # reused loaders stay wrapped
+            loader = WorkingSetPrefetcher(loader, self._collections, lookahead=self.lookahead)
+            loaders.flattened = [loader]
+        self.prefetcher = loader
+        self._last = self._totals()
+        self._last["ssd_stall_us"] += loader.wait_us
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.prefetcher is None:
+            return
+        self.prefetcher.batch_done()
+        now = self._totals()
+        now["ssd_stall_us"] += self.prefetcher.wait_us
+        delta = {k: v - self._last.get(k, 0) for k, v in now.items()}
+        self._last = now
+        from_ssd = delta["prefetch_hits"] + delta["ssd_hits"]
+        size = len(batch) if hasattr(batch, "__len__") else None
+        pl_module.log("prefetch/hit_rate", delta["prefetch_hits"] / from_ssd if from_ssd else 1.0,
+                      on_step=True, on_epoch=False, batch_size=size)
+        pl_module.log("prefetch/ssd_stall_ms", delta["ssd_stall_us"] / 1000.0, on_step=True, on_epoch=False,
+                      batch_size=size)
+        pl_module.log("prefetch/bytes_read", float(delta["prefetch_bytes"]), on_step=True, on_epoch=False,
+                      batch_size=size)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.close()
