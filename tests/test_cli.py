@@ -88,3 +88,26 @@ def test_shipped_configs_train_on_the_real_samples(tmp_path, config, train, val)
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "val/auc=" in result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_multi_node_config_trains_with_kstep_adam_on_two_processes(tmp_path):
+    data = ROOT.parent / "shared" / "data" / "criteo_kaggle_sample"
+    if not (data / "train_random4584.tsv").is_file():
+        pytest.skip(f"real sample not found under {data}")
+    # One machine, two CPU processes as one node each: Lightning starts the second itself.
+    result = run_cli(
+        "fit", "--config", "configs/multi_node.yaml", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+        "--trainer.num_nodes", "1", "--trainer.strategy.init_args.mode", "all",
+        "--trainer.strategy.init_args.k", "4", "--trainer.strategy.init_args.warmup_steps", "2",
+        "--data.train_paths", f"[{data / 'train_random4584.tsv'}]", "--data.val_paths", f"[{data / 'train_head1999.tsv'}]",
+        "--data.batch_size", "256", "--data.num_workers", "0", "--model.embedding_dim", "8",
+        "--model.dense_arch_layer_sizes", "[8]", "--model.over_arch_layer_sizes", "[16, 1]",
+        "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--trainer.enable_progress_bar", "false",
+        "--trainer.log_every_n_steps", "1",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    assert "KStepAdamStrategy: k=4, mode=all, 1 node(s) x 2 rank(s)" in out and "val/auc=" in out
+    events = EventAccumulator(str(next((tmp_path / "runs").rglob("events.out.tfevents.*")))).Reload()
+    assert {"kstep/merge_ms", "kstep/divergence", "kstep/intra_node_bytes"} <= set(events.Tags()["scalars"])

@@ -70,9 +70,9 @@ print("RESULT {}", flush=True)
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_equal_one_process(tmp_path, run_ranks, free_port):
+def test_two_gloo_ranks_equal_one_process(tmp_path, run_ranks):
     for world in (1, 2):  # the script joins its own gloo group, so no launcher variables
-        run_ranks(RANK_SCRIPT, [str(world), str(tmp_path), str(free_port)], world=world, ddp_env=False)
+        run_ranks(RANK_SCRIPT, [str(world), str(tmp_path), "{port}"], world=world, ddp_env=False)
     for label in ("row_wise", "table_wise", "mixed"):
         one = torch.load(tmp_path / f"{label}_1.pt", weights_only=False)
         two = torch.load(tmp_path / f"{label}_2.pt", weights_only=False)

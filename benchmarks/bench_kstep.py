@@ -1,0 +1,105 @@
+"""One rank of bench_kstep.sh: a dense CTR-sized MLP trained with one strategy; rank 0
+prints steps/s and the bytes it sent.
+
+The model is the over-arch of configs/criteo.yaml (about 2.1M parameters) on random
+features: dense parameters are what k-step merging saves traffic on (sharded tables
+keep their per-step all-to-alls whatever k is).
+
+    MASTER_ADDR=... MASTER_PORT=... WORLD_SIZE=2 NODE_RANK=r LOCAL_RANK=0 \
+        python benchmarks/bench_kstep.py --config k16 --steps 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ctr_lightning.strategies import KStepAdamStrategy
+
+SIZES = [512, 1024, 1024, 512, 256, 1]
+
+
+class OverArch(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for a, b in zip(SIZES[:-1], SIZES[1:]):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.net = nn.Sequential(*layers[:-1])
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.binary_cross_entropy_with_logits(self.net(x).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class Clock(pl.Callback):
+    """Times the steps after the first few (connection set-up, allocator warm-up)."""
+
+    def __init__(self, skip: int = 4) -> None:
+        self.skip, self.start, self.steps = skip, 0.0, 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if batch_idx + 1 == self.skip:
+            self.start = time.perf_counter()
+        elif batch_idx + 1 > self.skip:
+            self.steps += 1
+
+
+def strategy(name: str):
+    if name == "k1":
+        return KStepAdamStrategy(k=1, mode="all")
+    if name == "k16":
+        return KStepAdamStrategy(k=16, mode="all")
+    if name == "ddp_avg16":
+        # Lightning's own periodic model averaging (post-local SGD). On CPU, Lightning registers
+        # the post-local-SGD communication hook only for CUDA, so DDP still all-reduces every step.
+        from lightning.pytorch.strategies import DDPStrategy
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as post_localSGD
+
+        return DDPStrategy(model_averaging_period=16, ddp_comm_state=post_localSGD.PostLocalSGDState(
+            process_group=None, subgroup=None, start_localSGD_iter=8), ddp_comm_hook=post_localSGD.post_localSGD_hook)
+    raise ValueError(f"unknown configuration {name!r}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, choices=["k1", "k16", "ddp_avg16"])
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--batch", type=int, default=256)
+    args = parser.parse_args()
+    # Two "nodes" share this machine's cores: each gets its share, as on its own machine.
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    torch.manual_seed(0)
+    x = torch.randn(args.steps * args.batch * 2, SIZES[0])
+    data = TensorDataset(x, (x[:, 0] > 0).float())
+    clock = Clock()
+    chosen = strategy(args.config)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=chosen, max_steps=args.steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[clock])
+    module = OverArch()
+    trainer.fit(module, DataLoader(data, batch_size=args.batch))
+    seconds = time.perf_counter() - clock.start
+    params = sum(p.numel() for p in module.parameters())
+    if isinstance(chosen, KStepAdamStrategy):
+        sent = chosen.average.bytes.inter_node / args.steps
+    else:  # a ring all-reduce of the gradients every step (plus the periodic averages)
+        sent = 2 * (2 - 1) * params * 4 / 2 * (1 + 1 / 16)
+    if trainer.global_rank == 0:
+        print("RESULT " + json.dumps({"config": args.config, "steps_per_s": clock.steps / seconds,
+                                      "bytes_per_step": sent, "params": params}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# k-step Adam over a slow link, measured for real: two "nodes" are network namespaces
+# joined by a veth pair, each end rate-limited by `tc qdisc ... tbf`. Two ranks (one per
+# namespace) train with gloo over that link for each configuration in turn:
+#   k1         KStepAdamStrategy(k=1): synchronous, gradients averaged every step
+#   k16        KStepAdamStrategy(k=16): local Adam steps, models merged every 16
+#   ddp_avg16  Lightning's DDPStrategy(model_averaging_period=16) (post-local SGD)
+# and prints steps/s, bytes sent across the link per step, and k16 / k1.
+# Needs root (ip netns). The namespaces and addresses (10.77.0.1/2) are created here and
+# removed on exit.
+#   sudo RATE=100mbit STEPS=68 BATCH=256 benchmarks/bench_kstep.sh
+set -euo pipefail
+RATE=${RATE:-100mbit}
+STEPS=${STEPS:-68}  # 4 untimed, then 64: exactly one merge per 16 timed steps
+BATCH=${BATCH:-256}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+NS0=ctrk_node0 NS1=ctrk_node1
+
+cleanup() { ip netns del "$NS0" 2>/dev/null || true; ip netns del "$NS1" 2>/dev/null || true; }
+trap cleanup EXIT
+cleanup
+ip netns add "$NS0"
+ip netns add "$NS1"
+ip link add ctrk_veth0 type veth peer name ctrk_veth1
+ip link set ctrk_veth0 netns "$NS0"
+ip link set ctrk_veth1 netns "$NS1"
+for i in 0 1; do
+  ns=ctrk_node$i
+  ip -n "$ns" addr add 10.77.0.$((i + 1))/24 dev ctrk_veth$i
+  ip -n "$ns" link set lo up
+  ip -n "$ns" link set ctrk_veth$i up
+  ip netns exec "$ns" tc qdisc add dev ctrk_veth$i root tbf rate "$RATE" burst 64kb latency 50ms
+done
+
+printf "%s link between two namespaces, 2 nodes x 1 rank, gloo, %s steps of batch %s\n" "$RATE" "$STEPS" "$BATCH"
+printf "%-12s %12s %22s\n" configuration steps/s "bytes/step on link"
+declare -A RATES
+for config in k1 k16 ddp_avg16; do
+  port=$((29600 + RANDOM % 1000))
+  for rank in 1 0; do
+    env MASTER_ADDR=10.77.0.1 MASTER_PORT=$port WORLD_SIZE=2 NODE_RANK=$rank LOCAL_RANK=0 \
+        GLOO_SOCKET_IFNAME=ctrk_veth$rank PYTHONWARNINGS=ignore \
+        timeout 900 ip netns exec ctrk_node$rank "$PY" "$ROOT/benchmarks/bench_kstep.py" --config "$config" \
+        --steps "$STEPS" --batch "$BATCH" > "/tmp/ctrk_$config.$rank.log" 2>&1 &
+  done
+  wait
+  line=$(grep '^RESULT ' "/tmp/ctrk_$config.0.log" | sed 's/^RESULT //') || {
+    echo "$config failed:"; tail -20 "/tmp/ctrk_$config.0.log" "/tmp/ctrk_$config.1.log"; exit 1; }
+  rate=$("$PY" -c "import json,sys; print(json.loads(sys.argv[1])['steps_per_s'])" "$line")
+  sent=$("$PY" -c "import json,sys; print(int(json.loads(sys.argv[1])['bytes_per_step']))" "$line")
+  RATES[$config]=$rate
+  printf "%-12s %12.3f %22d\n" "$config" "$rate" "$sent"
+done
+"$PY" -c "import sys; k1, k16, avg = map(float, sys.argv[1:]); print(f'k16 / k1 = {k16 / k1:.2f}x (target >= 4)'); print(f'k16 / DDPStrategy(model_averaging_period=16) = {k16 / avg:.2f}x')" \
+  "${RATES[k1]}" "${RATES[k16]}" "${RATES[ddp_avg16]}"

@@ -1,0 +1,88 @@
+"""Validation AUC of k-step Adam (k = 1, 4, 16, 64) at the same number of examples.
+
+Two CPU processes (one "node" each, mode="all") train the DLRM on the synthetic demo
+data and, where ../shared/data is present, on the real Criteo sample; k=1 is
+synchronous data parallel training. Prints one table per dataset with AUC - AUC(k=1).
+
+    python benchmarks/kstep_convergence.py [--train-rows 200000 --epochs 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT.parent / "shared" / "data" / "criteo_kaggle_sample"
+
+RANK_SCRIPT = r"""
+import json, sys
+import lightning.pytorch as pl
+from ctr_lightning.datamodules import CriteoDataModule
+from ctr_lightning.models import DLRMModule
+from ctr_lightning.strategies import KStepAdamStrategy
+
+k, train, val, epochs, batch = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+pl.seed_everything(0)
+dm = CriteoDataModule(train_paths=[train], val_paths=[val], batch_size=batch)
+model = DLRMModule(embedding_dim=16, num_embeddings=100_000, dense_arch_layer_sizes=[64],
+                   over_arch_layer_sizes=[128, 64, 1], learning_rate=1e-3, sparse_learning_rate=0.01)
+trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=KStepAdamStrategy(k=k, mode="all"),
+                     max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0)
+trainer.fit(model, datamodule=dm)
+print("RESULT " + json.dumps({"auc": float(trainer.callback_metrics["val/auc"]), "steps": trainer.global_step}))
+"""
+
+
+def fit(k: int, train: Path, val: Path, epochs: int, batch: int) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_RANK="0",
+               PYTHONWARNINGS="ignore")
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(k), str(train), str(val), str(epochs),
+                               str(batch)], env=dict(env, NODE_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=3600) for p in procs]
+    line = next((l for l in outs[0][0].splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"k={k} failed:\n{outs[0][1][-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def table(name: str, train: Path, val: Path, epochs: int, batch: int) -> None:
+    print(f"\n{name}: 2 ranks x batch {batch}, {epochs} epoch(s)")
+    print(f"{'k':>4}{'steps':>8}{'val AUC':>10}{'- AUC(k=1)':>12}")
+    base = None
+    for k in (1, 4, 16, 64):
+        r = fit(k, train, val, epochs, batch)
+        base = r["auc"] if base is None else base
+        print(f"{k:>4}{r['steps']:>8}{r['auc']:>10.4f}{r['auc'] - base:>+12.4f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--train-rows", type=int, default=200_000)
+    parser.add_argument("--val-rows", type=int, default=50_000)
+    parser.add_argument("--epochs", type=int, default=1)
+    args = parser.parse_args()
+    from ctr_lightning.datamodules import write_synthetic_criteo
+
+    with tempfile.TemporaryDirectory() as tmp:
+        train = write_synthetic_criteo(Path(tmp) / "train.tsv", rows=args.train_rows, seed=0)
+        val = write_synthetic_criteo(Path(tmp) / "val.tsv", rows=args.val_rows, seed=0, stream=1)
+        table(f"synthetic demo data ({args.train_rows:,} train rows)", train, val, args.epochs, 512)
+    if (SAMPLE / "train_random4584.tsv").is_file():
+        table("real Criteo sample (train_random4584 -> train_head1999)", SAMPLE / "train_random4584.tsv",
+              SAMPLE / "train_head1999.tsv", 8, 128)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,6 @@
+"""Lightning strategies: k-step model merging for Adam (the paper's communication cut)."""
+
+from ctr_lightning.strategies.kstep_adam import KStepAdamStrategy
+from ctr_lightning.strategies.node_layout import NodeLayout
+
+__all__ = ["KStepAdamStrategy", "NodeLayout"]

@@ -1,0 +1,204 @@
+"""KStepAdamStrategy: every rank steps its own Adam; every k steps the models are merged."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from ctr_lightning.strategies.hierarchical_average import HierarchicalAverage
+from ctr_lightning.strategies.node_layout import NodeLayout
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["all", "node"]
+_ADAM_STATE = ("exp_avg", "exp_avg_sq")
+
+
+class KStepAdamStrategy(DDPStrategy):
+    """k-step model merging for Adam (Baidu, arXiv 2201.05500), as a Lightning strategy.
+
+    Every rank runs its own optimizer on its own batches. Every ``k`` optimizer steps the
+    ranks average their parameters and, unless ``merge_optimizer_state=False``, Adam's
+    ``exp_avg`` and ``exp_avg_sq`` (step counts stay equal: every rank takes every step).
+
+    Modes:
+
+    - ``"all"``: no communication between merges.
+    - ``"node"``: gradients are averaged inside each node every step, so a node's ranks
+      stay identical; the merge every k steps runs across nodes.
+
+    Merges (and the per-step averages of ``k=1`` and of warm-up) are hierarchical:
+    reduce-scatter inside the node, all-reduce of each slice across nodes, all-gather
+    inside the node, over flat buckets of ``bucket_bytes``. ``k=1`` is synchronous data
+    parallel training: gradients are averaged over all ranks before every step, as DDP
+    does. The first ``warmup_steps`` steps are synchronous too.
+
+    The node layout is ``local_world_size`` ranks per node (default: the launcher's
+    ``LOCAL_WORLD_SIZE``, else Lightning's devices per node). Logged every step: bytes
+    sent inside and across nodes (``kstep/intra_node_bytes``, ``kstep/inter_node_bytes``,
+    counted as ring collectives send them); at merges ``kstep/merge_ms`` and
+    ``kstep/divergence`` (the ranks' mean relative L2 distance from the merged model).
+
+    Example::
+
+        trainer = Trainer(accelerator="cpu", devices=4, num_nodes=2,
+                          strategy=KStepAdamStrategy(k=16, mode="node", merge_optimizer_state=True))
+    """
+
+    def __init__(
+        self,
+        k: int = 16,
+        mode: Mode = "all",
+        merge_optimizer_state: bool = True,
+        warmup_steps: int = 0,
+        local_world_size: int | None = None,
+        bucket_bytes: int = 25 << 20,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"KStepAdamStrategy: k must be an integer >= 1, got {k!r}")
+        if mode not in ("all", "node"):
+            raise ValueError(f"KStepAdamStrategy: mode must be 'all' or 'node', got {mode!r}")
+        if warmup_steps < 0:
+            raise ValueError(f"KStepAdamStrategy: warmup_steps must be >= 0, got {warmup_steps}")
+        if bucket_bytes < 1:
+            raise ValueError(f"KStepAdamStrategy: bucket_bytes must be >= 1, got {bucket_bytes}")
+        self.k = k
+        self.mode = mode
+        self.merge_optimizer_state = merge_optimizer_state
+        self.warmup_steps = warmup_steps
+        self.bucket_bytes = bucket_bytes
+        self._local_world_size = local_world_size
+        self.layout: NodeLayout | None = None
+        self.average: HierarchicalAverage | None = None
+        self.optimizer_steps = 0
+        self.merges = 0
+        self.last_divergence: float | None = None
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    @override
+    def configure_ddp(self) -> None:
+        # No DDP wrapper: gradients are averaged (or not) by this strategy, per mode and step.
+        assert isinstance(self.model, pl.LightningModule)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != "fit":
+            return
+        local = self._local_world_size
+        if local is None and "LOCAL_WORLD_SIZE" not in os.environ:
+            local = self.num_processes  # Lightning's devices per node
+        self.layout = NodeLayout.of(self.world_size, self.global_rank, local)
+        if self.mode == "node" and self.layout.num_nodes < 2:
+            raise ValueError(
+                f"KStepAdamStrategy: mode='node' merges across nodes, but the {self.world_size} ranks form one node "
+                f"(local_world_size={self.layout.local_world_size}); use mode='all' or set local_world_size")
+        for optimizer in self.optimizers:
+            self._check_optimizer(optimizer)
+        intra, cross = self.layout.groups() if self.world_size > 1 else (None, None)
+        self.average = HierarchicalAverage(self.layout, intra, cross, self.bucket_bytes)
+        # Without DDP nobody else makes the replicas start equal.
+        self._broadcast_start()
+        rank_zero_info(f"KStepAdamStrategy: k={self.k}, mode={self.mode}, {self.layout.num_nodes} node(s) x "
+                       f"{self.layout.local_world_size} rank(s), warm-up {self.warmup_steps} synchronous steps")
+
+    def _check_optimizer(self, optimizer: Optimizer) -> None:
+        inner = getattr(optimizer, "_optimizer", optimizer)
+        if self.merge_optimizer_state and not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            raise ValueError(
+                f"KStepAdamStrategy: merge_optimizer_state=True merges Adam's exp_avg and exp_avg_sq, but the "
+                f"optimizer is {type(inner).__name__}; use Adam/AdamW or merge_optimizer_state=False")
+
+    def _broadcast_start(self) -> None:
+        if self.world_size > 1:
+            for tensor in self._module_tensors():
+                dist.broadcast(tensor, src=0)
+
+    def _module_tensors(self) -> list[torch.Tensor]:
+        module = self.lightning_module
+        return [p.data for p in module.parameters()] + [b for b in module.buffers() if b.is_floating_point()]
+
+    @override
+    def on_train_start(self) -> None:
+        # A resumed run continues the k-step phase where the checkpoint left it.
+        super().on_train_start()
+        self.optimizer_steps = self.lightning_module.trainer.global_step
+
+    # -- one step --------------------------------------------------------------------------
+
+    def _synchronous(self) -> bool:
+        return self.k == 1 or self.optimizer_steps < self.warmup_steps
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        before = (self.average.bytes.intra_node, self.average.bytes.inter_node) if self.average else (0, 0)
+        synchronous = self._synchronous()
+
+        def closure_then_average() -> Any:
+            result = closure()
+            if self.average is not None and self.world_size > 1:
+                grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+                if synchronous:
+                    self.average(grads)
+                elif self.mode == "node":
+                    self.average(grads, within_node_only=True)
+            return result
+
+        output = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
+        self.optimizer_steps += 1
+        local_steps = self.optimizer_steps - self.warmup_steps
+        metrics: dict[str, float] = {}
+        if not synchronous and local_steps > 0 and local_steps % self.k == 0 and self.world_size > 1:
+            metrics.update(self.merge(optimizer))
+        if self.average is not None:
+            metrics["kstep/intra_node_bytes"] = float(self.average.bytes.intra_node - before[0])
+            metrics["kstep/inter_node_bytes"] = float(self.average.bytes.inter_node - before[1])
+        self._log(metrics)
+        return output
+
+    def merge(self, optimizer: Optimizer) -> dict[str, float]:
+        """Average parameters (and Adam's moments) over all ranks; returns merge metrics."""
+        start = time.perf_counter()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        local = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+        tensors = [p.data for p in params] + [b for b in self.lightning_module.buffers() if b.is_floating_point()]
+        if self.merge_optimizer_state:
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            for p in params:
+                state = inner.state.get(p, {})
+                tensors += [state[name] for name in _ADAM_STATE if name in state]
+        self.average(tensors)
+        merged = torch.cat([p.detach().reshape(-1) for p in params])
+        divergence = torch.tensor([float((local - merged).norm() / merged.norm().clamp_min(1e-12))])
+        dist.all_reduce(divergence)
+        self.last_divergence = float(divergence) / self.world_size
+        self.merges += 1
+        return {"kstep/merge_ms": (time.perf_counter() - start) * 1000.0, "kstep/divergence": self.last_divergence}
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if not metrics or trainer is None:
+            return
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})

@@ -1,0 +1,138 @@
+import json
+
+import pytest
+import torch
+
+from ctr_lightning.strategies import KStepAdamStrategy, NodeLayout
+
+# A plain LightningModule with no embeddings: the strategy must plug into any codebase.
+RANK_SCRIPT = r"""
+import json, os, sys
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from ctr_lightning.strategies import KStepAdamStrategy
+
+rank, config, out_dir = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+
+class MLP(pl.LightningModule):
+    def __init__(self, optimizer):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.optimizer = optimizer
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x).squeeze(-1), y)
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+history = []
+
+class Record(pl.Callback):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        history.append(torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone())
+
+pl.seed_everything(rank)  # different starting points: the strategy must make them equal
+g = torch.Generator().manual_seed(0)
+x = torch.randn(512, 8, generator=g)
+data = TensorDataset(x, x.sum(1) + 0.1 * torch.randn(512, generator=g))
+kind = config.pop("strategy")
+optimizer = config.pop("optimizer", "adam")
+strategy = "ddp" if kind == "ddp" else KStepAdamStrategy(**config)
+trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")), strategy=strategy,
+                     max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, callbacks=[Record()])
+try:
+    trainer.fit(MLP(optimizer), DataLoader(data, batch_size=16))
+except ValueError as e:
+    print("RESULT " + json.dumps({"error": str(e)}), flush=True)
+    sys.exit(0)
+opt = trainer.optimizers[0]
+state = [opt.state[p] for p in trainer.lightning_module.parameters()]
+torch.save({"history": history, "exp_avg": [s.get("exp_avg") for s in state]},
+           os.path.join(out_dir, f"{kind}_{rank}.pt"))
+result = {"rank": rank}
+if kind != "ddp":
+    result.update(merges=strategy.merges, divergence=strategy.last_divergence,
+                  intra=strategy.average.bytes.intra_node, inter=strategy.average.bytes.inter_node)
+print("RESULT " + json.dumps(result), flush=True)
+"""
+
+PARAMS = 8 * 32 + 32 + 32 + 1
+
+
+def _run(run_ranks, tmp_path, world, **config):
+    return run_ranks(RANK_SCRIPT, [json.dumps(config), str(tmp_path)], world=world)
+
+
+def _history(tmp_path, kind, rank):
+    return torch.load(tmp_path / f"{kind}_{rank}.pt", weights_only=False)
+
+
+@pytest.mark.slow
+def test_k1_all_equals_lightning_ddp(tmp_path, run_ranks):
+    _run(run_ranks, tmp_path, 2, strategy="ddp")
+    _run(run_ranks, tmp_path, 2, strategy="kstep", k=1, mode="all")
+    ddp, kstep = _history(tmp_path, "ddp", 0), _history(tmp_path, "kstep", 0)
+    assert len(ddp["history"]) == len(kstep["history"]) == 12
+    for a, b in zip(ddp["history"], kstep["history"]):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)  # after every one of the 12 steps
+    for a, b in zip(ddp["exp_avg"], kstep["exp_avg"]):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_k4_ranks_diverge_between_merges_and_agree_after(tmp_path, run_ranks):
+    results = _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", warmup_steps=2)
+    a, b = (_history(tmp_path, "kstep", r) for r in range(2))
+    # Warm-up steps 1-2 are synchronous; then merges after steps 6 and 10 (2 + 4k).
+    for step in range(12):
+        same = torch.equal(a["history"][step], b["history"][step])
+        assert same == (step in (0, 1, 5, 9)), step
+    for x, y in zip(a["exp_avg"], b["exp_avg"]):
+        assert not torch.equal(x, y)  # steps 11-12 ran locally
+    assert [r["merges"] for r in results] == [2, 2] and results[0]["divergence"] > 0
+    assert results[0]["inter"] == 0  # one node: everything stays inside it
+
+
+@pytest.mark.slow
+def test_node_mode_on_two_simulated_nodes(tmp_path, run_ranks):
+    results = _run(run_ranks, tmp_path, 4, strategy="kstep", k=4, mode="node", local_world_size=2)
+    h = [_history(tmp_path, "kstep", r)["history"] for r in range(4)]
+    for step in range(12):
+        assert torch.equal(h[0][step], h[1][step]) and torch.equal(h[2][step], h[3][step])  # a node moves as one
+        assert torch.equal(h[0][step], h[2][step]) == (step in (3, 7, 11)), step  # nodes meet at merges
+    # Per merge each rank sends across nodes a ring all-reduce of its half of the model
+    # (params + exp_avg + exp_avg_sq): 1/local_world_size of what a flat all-reduce would.
+    half = (3 * PARAMS + 1) // 2  # padded to a multiple of 2
+    flat_per_merge = 2 * (2 - 1) * 3 * PARAMS * 4 // 2
+    assert results[0]["inter"] == 3 * (2 * (2 - 1) * half * 4 // 2)
+    assert results[0]["inter"] <= 3 * flat_per_merge / 2 + 3 * 4
+    assert results[0]["intra"] > 0
+
+
+@pytest.mark.slow
+def test_bad_setups_are_clear_errors(tmp_path, run_ranks):
+    (one_node,) = _run(run_ranks, tmp_path, 1, strategy="kstep", k=4, mode="node")
+    assert "mode='node' merges across nodes, but the 1 ranks form one node" in one_node["error"]
+    (sgd,) = _run(run_ranks, tmp_path, 1, strategy="kstep", k=4, optimizer="sgd")
+    assert "merge_optimizer_state=True merges Adam's exp_avg" in sgd["error"] and "SGD" in sgd["error"]
+    (fine,) = _run(run_ranks, tmp_path, 1, strategy="kstep", k=4, optimizer="sgd", merge_optimizer_state=False)
+    assert "error" not in fine
+
+
+def test_arguments_are_checked():
+    with pytest.raises(ValueError, match="k must be an integer >= 1"):
+        KStepAdamStrategy(k=0)
+    with pytest.raises(ValueError, match="mode must be 'all' or 'node'"):
+        KStepAdamStrategy(mode="ring")
+    with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
+        KStepAdamStrategy(warmup_steps=-1)
+    with pytest.raises(ValueError, match="does not divide the world size 6"):
+        NodeLayout.of(world_size=6, rank=0, local_world_size=4)
+    layout = NodeLayout.of(world_size=4, rank=3, local_world_size=2)
+    assert (layout.node, layout.local_rank, layout.num_nodes) == (1, 1, 2)
