@@ -16,7 +16,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.optimizers import SparseOptimizer
-from ctr_lightning.embedding.sharding_plan import TableSharding, row_owner
+from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
 from ctr_lightning.embedding.storage_config import StorageConfig
 from ctr_lightning.embedding.table_checks import align_features
 
@@ -72,7 +72,7 @@ class ShardedTables:
                    for r in range(self.world)]
         # Row-wise shards pool by sum; a mean is taken once all partial sums are in.
         local_tables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in row_wise] + on_rank[self.rank]
-        local_storage = {name: _rank_storage(s, self.rank) for name, s in storage.items()}
+        local_storage = {name: rank_storage(s, self.rank) for name, s in storage.items()}
         self.local = LocalTables(local_tables, local_storage, id_space, is_weighted, optimizer, device, seed,
                                  kernel, owner)
         index = {f: i for i, f in enumerate(self.feature_names)}
@@ -190,10 +190,7 @@ class ShardedTables:
 
     def owns(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Which of ``ids`` of ``table`` this rank holds."""
-        sharding = self.plan[table]
-        if sharding.kind == "row_wise":
-            return row_owner(ids, self.world) == self.rank
-        return torch.full(ids.shape, sharding.owner == self.rank, dtype=torch.bool)
+        return owned_mask(self.plan[table], ids, self.world, self.rank)
 
     def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Collective: every rank passes the same ids and gets the owners' rows."""
@@ -210,14 +207,7 @@ class ShardedTables:
 
     def export(self) -> dict[str, dict[str, Any]]:
         """Collective: every rank gets the rows of all shards, per table."""
-        shards: list[Any] = [None] * self.world
-        dist.all_gather_object(shards, self.local.export(), group=self.group)
-        out: dict[str, dict[str, Any]] = {}
-        for t in self.tables:
-            parts = [s[t.name] for s in shards if t.name in s]
-            out[t.name] = {"ids": torch.cat([p["ids"] for p in parts]), "rows": torch.cat([p["rows"] for p in parts]),
-                           "steps": max(p["steps"] for p in parts)}
-        return out
+        return gather_tables(self.local.export(), self.tables, self.world, self.group)
 
     def load(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         self.local.load(state, keep=self.owns)
@@ -226,10 +216,23 @@ class ShardedTables:
         self.local.move_device_tier(device)
 
 
-def _rank_storage(storage: StorageConfig, rank: int) -> StorageConfig:
+def rank_storage(storage: StorageConfig, rank: int) -> StorageConfig:
     # Ranks on one machine must not share SSD files.
     if storage.ssd_dir is None:
         return storage
     return dataclasses.replace(storage, ssd_dir=os.path.join(storage.ssd_dir, f"rank{rank}"))
 
 
+
+
+def gather_tables(local: dict[str, dict[str, Any]], tables: Sequence[EmbeddingBagConfig], world: int,
+                  group: dist.ProcessGroup) -> dict[str, dict[str, Any]]:
+    """Collective: every rank's per-table export, joined per table."""
+    shards: list[Any] = [None] * world
+    dist.all_gather_object(shards, local, group=group)
+    out: dict[str, dict[str, Any]] = {}
+    for t in tables:
+        parts = [s[t.name] for s in shards if t.name in s]
+        out[t.name] = {"ids": torch.cat([p["ids"] for p in parts]), "rows": torch.cat([p["rows"] for p in parts]),
+                       "steps": max(p["steps"] for p in parts)}
+    return out

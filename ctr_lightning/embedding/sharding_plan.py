@@ -74,3 +74,10 @@ def row_owner(ids: torch.Tensor, world_size: int) -> torch.Tensor:
     small integers or already hashed spread evenly."""
     mixed = ids.to(torch.int64) * _GOLDEN  # wraps around, as intended
     return ((mixed >> 32) & 0x7FFFFFFF) % world_size
+
+
+def owned_mask(sharding: TableSharding, ids: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """Which of ``ids`` of a table sharded as ``sharding`` rank ``rank`` holds."""
+    if sharding.kind == "row_wise":
+        return row_owner(ids, world_size) == rank
+    return torch.full(ids.shape, sharding.owner == rank, dtype=torch.bool)

@@ -359,9 +359,13 @@ class TableGroup:
     # -- reads without side effects, and checkpoints --------------------------------------
 
     def rows(self, table: int, ids: np.ndarray) -> torch.Tensor:
-        tables = np.full(len(ids), table, dtype=np.int64)
+        return self.full_rows(np.full(len(ids), table, dtype=np.int64), ids)[:, : self.dim]
+
+    def full_rows(self, tables: np.ndarray, ids: np.ndarray) -> torch.Tensor:
+        """``[weights | optimizer state]`` of rows, freshest tier first; reads only."""
         self.validate(tables, ids)
-        out = torch.from_numpy(self._initial(tables, ids))
+        out = torch.zeros(len(ids), self.width)
+        out[:, : self.dim] = torch.from_numpy(self._initial(tables, ids))
         todo = np.ones(len(ids), dtype=bool)
         for tier in (self.device_tier, self.host_tier):
             if tier is None:
@@ -370,13 +374,27 @@ class TableGroup:
             hit = todo & (slots >= 0)
             if hit.any():
                 out[torch.from_numpy(np.flatnonzero(hit))] = (
-                    tier.values[torch.from_numpy(slots[hit]).to(tier.device), : self.dim].cpu())
+                    tier.values[torch.from_numpy(slots[hit]).to(tier.device)].cpu())
                 todo &= ~hit
         if self.ssd is not None and todo.any():
             rest = np.flatnonzero(todo)
             found, data, _ = self.ssd.read(tables[rest], ids[rest])
-            out[torch.from_numpy(rest[found])] = torch.from_numpy(data[:, : self.dim])
+            out[torch.from_numpy(rest[found])] = torch.from_numpy(data)
         return out
+
+    def put_rows(self, tables: np.ndarray, ids: np.ndarray, values: torch.Tensor) -> None:
+        """Overwrite rows (unique keys) with ``[weights | optimizer state]`` values."""
+        caps = self.device_tier.capacity[self.device_tier.capacity > 0]
+        chunk = max(1, int(caps.min()) // 2) if len(caps) else max(1, len(ids))
+        for start in range(0, len(ids), chunk):
+            t, i = tables[start : start + chunk], ids[start : start + chunk]
+            slots = self.device_tier.lookup(t, i)
+            miss = slots < 0
+            if miss.any():
+                slots[miss] = self._fetch(t[miss], i[miss], pinned=slots[~miss])
+            index = torch.from_numpy(slots).to(self.device_tier.device)
+            self.device_tier.values[index] = values[start : start + chunk].to(self.device_tier.device)
+            self.device_tier.dirty[slots] = True
 
     def export(self) -> dict[str, torch.Tensor | list[str]]:
         """Every stored row, freshest copy first: device (dirty) over host over SSD."""

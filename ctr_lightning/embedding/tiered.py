@@ -17,6 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 from ctr_lightning.embedding.local_tables import LocalTables, table_groups
+from ctr_lightning.embedding.replicated_tables import ReplicatedTables
 from ctr_lightning.embedding.sharded_tables import ShardedTables
 from ctr_lightning.embedding.sharding_plan import TableSharding, plan_sharding
 from ctr_lightning.embedding.storage_config import StorageConfig
@@ -56,6 +57,11 @@ class TieredEmbeddingBagCollection(nn.Module):
             batch; ids travel to their owners and pooled rows back (torchrec all-to-alls).
             Each rank's SSD files go into ``<ssd_dir>/rank<r>``.
         process_group: the ranks to shard over; default all, in a group of their own.
+        sparse_sync: when sharded, ``"step"`` (ids and pooled rows travel every step) or
+            ``"k_step"``: each rank trains a local replica of the rows its batches touch
+            (pulling rows it lacks from their owners) and every ``sync_every`` training
+            steps pushes the deltas to the owners, who average them over the ranks that
+            touched each row (see :class:`ReplicatedTables`).
 
     Example::
 
@@ -81,6 +87,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         kernel: str = "auto",
         sharding: str | Mapping[str, str] = "row_wise",
         process_group: dist.ProcessGroup | None = None,
+        sparse_sync: str = "step",
+        sync_every: int = 16,
     ) -> None:
         super().__init__()
         features = check_tables(tables, type(self).__name__)
@@ -110,6 +118,12 @@ class TieredEmbeddingBagCollection(nn.Module):
             raise ValueError(f"sharding must be 'row_wise', 'table_wise', 'auto' or a dict, got {sharding!r}")
         self._sharding = sharding
         self._process_group = process_group
+        if sparse_sync not in ("step", "k_step"):
+            raise ValueError(f"sparse_sync must be 'step' or 'k_step', got {sparse_sync!r}")
+        if sync_every < 1:
+            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self._sparse_sync = sparse_sync
+        self._sync_every = sync_every
         if kernel not in ("auto", "numba", "torch"):
             raise ValueError(f"kernel must be 'auto', 'numba' or 'torch', got {kernel!r}")
         if kernel == "numba" and torch.device(device or "cpu").type != "cpu":
@@ -123,9 +137,9 @@ class TieredEmbeddingBagCollection(nn.Module):
         # Built on first use: only then is it known whether torch.distributed runs, and
         # the collection shards itself over the ranks (Lightning starts them after the
         # model is made).
-        self._engine: LocalTables | ShardedTables | None = None
+        self._engine: LocalTables | ShardedTables | ReplicatedTables | None = None
 
-    def _built(self) -> LocalTables | ShardedTables:
+    def _built(self) -> LocalTables | ShardedTables | ReplicatedTables:
         if self._engine is not None:
             return self._engine
         group = self._process_group
@@ -136,7 +150,11 @@ class TieredEmbeddingBagCollection(nn.Module):
                 self._kernel)
         if group is not None and group.size() > 1:
             plan = plan_sharding(self._tables, group.size(), self._sharding)
-            self._engine = ShardedTables(self._tables, *args, plan=plan, group=group, owner=type(self).__name__)
+            if self._sparse_sync == "k_step":
+                self._engine = ReplicatedTables(self._tables, *args, plan=plan, group=group,
+                                                sync_every=self._sync_every, owner=type(self).__name__)
+            else:
+                self._engine = ShardedTables(self._tables, *args, plan=plan, group=group, owner=type(self).__name__)
         else:
             self._engine = LocalTables(self._tables, *args, owner=type(self).__name__)
         return self._engine
@@ -145,7 +163,7 @@ class TieredEmbeddingBagCollection(nn.Module):
     def sharding_plan(self) -> dict[str, TableSharding] | None:
         """Per table, how it is split over ranks; None when the collection is not sharded."""
         engine = self._built()
-        return engine.plan if isinstance(engine, ShardedTables) else None
+        return engine.plan if isinstance(engine, (ShardedTables, ReplicatedTables)) else None
 
     # -- torchrec's interface ----------------------------------------------------------------
 
@@ -183,7 +201,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             raise KeyError(f"no table {table!r}; tables are {[t.name for t in self._tables]}")
         ids = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64)
         engine = self._built()
-        if isinstance(engine, ShardedTables):
+        if isinstance(engine, (ShardedTables, ReplicatedTables)):
             return engine.rows(table, torch.from_numpy(ids))
         return engine.rows(table, ids)
 
@@ -196,7 +214,7 @@ class TieredEmbeddingBagCollection(nn.Module):
     def comm_bytes(self) -> int:
         """Bytes this rank has sent to other ranks in the sharded all-to-alls (0 unsharded)."""
         engine = self._built()
-        return engine.bytes_sent if isinstance(engine, ShardedTables) else 0
+        return engine.bytes_sent if isinstance(engine, (ShardedTables, ReplicatedTables)) else 0
 
     # -- working-set prefetch (driven by WorkingSetPrefetcher) -----------------------------
 
@@ -204,7 +222,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         """Note the rows upcoming ``batch`` (numbered in increasing order) will touch, and
         return the reads that bring in those on SSD: callables for a background thread."""
         engine = self._built()
-        if isinstance(engine, ShardedTables):
+        if isinstance(engine, (ShardedTables, ReplicatedTables)):
             raise NotImplementedError(
                 "working-set prefetch reads this rank's own batches, but a sharded collection's rows are "
                 "owned by other ranks; sharded collections fetch on demand")

@@ -41,6 +41,8 @@ class DLRMModule(pl.LightningModule):
         seed: initial table weights.
         sharding: how the tables split over ranks in a distributed run (``"row_wise"``,
             ``"table_wise"``, ``"auto"``); see :class:`TieredEmbeddingBagCollection`.
+        sparse_sync, sync_every: ``"step"`` (pooled rows travel every step) or ``"k_step"``
+            (local replicas, deltas averaged by the owners every ``sync_every`` steps).
 
     Example::
 
@@ -62,6 +64,8 @@ class DLRMModule(pl.LightningModule):
         storage: StorageConfig | None = None,
         seed: int = 0,
         sharding: str = "row_wise",
+        sparse_sync: str = "step",
+        sync_every: int = 16,
     ) -> None:
         super().__init__()
         if not sparse_feature_names:
@@ -77,7 +81,8 @@ class DLRMModule(pl.LightningModule):
             for name in sparse_feature_names
         ]
         self.embeddings = TieredEmbeddingBagCollection(
-            tables, storage=storage, optimizer=SparseAdam(lr=sparse_learning_rate), seed=seed, sharding=sharding)
+            tables, storage=storage, optimizer=SparseAdam(lr=sparse_learning_rate), seed=seed, sharding=sharding,
+            sparse_sync=sparse_sync, sync_every=sync_every)
         self.dlrm = DLRM(
             embedding_bag_collection=self.embeddings,
             dense_in_features=num_dense_features,

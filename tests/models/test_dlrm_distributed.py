@@ -11,12 +11,13 @@ import lightning.pytorch as pl
 from ctr_lightning.datamodules import SyntheticCriteoDataModule
 from ctr_lightning.models import DLRMModule
 
-world, data_dir, sharding = int(sys.argv[2]), sys.argv[3], sys.argv[4]
+world, data_dir, sharding, sparse_sync = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 pl.seed_everything(0)
 dm = SyntheticCriteoDataModule(data_dir=data_dir, train_rows=240_000, val_rows=30_000, max_cardinality=20_000,
                                batch_size=512 // world)
 model = DLRMModule(embedding_dim=8, num_embeddings=20_000, dense_arch_layer_sizes=[16], over_arch_layer_sizes=[32, 1],
-                   learning_rate=3e-3, sparse_learning_rate=0.02, sharding=sharding)
+                   learning_rate=3e-3, sparse_learning_rate=0.02, sharding=sharding,
+                   sparse_sync=sparse_sync, sync_every=4)
 bytes_logged = []
 
 class Bytes(pl.Callback):
@@ -35,8 +36,9 @@ print("RESULT " + json.dumps({"rank": trainer.global_rank, "auc": float(trainer.
 """
 
 
-def _fit(run_ranks, world: int, data_dir: str, sharding: str = "row_wise") -> list[dict]:
-    return sorted(run_ranks(RANK_SCRIPT, [str(world), data_dir, sharding], world=world), key=lambda r: r["rank"])
+def _fit(run_ranks, world: int, data_dir: str, sharding: str = "row_wise", sparse_sync: str = "step") -> list[dict]:
+    return sorted(run_ranks(RANK_SCRIPT, [str(world), data_dir, sharding, sparse_sync], world=world),
+                  key=lambda r: r["rank"])
 
 
 def _as_global_batches(dm: SyntheticCriteoDataModule, out_dir: Path, rank_batch: int) -> None:
@@ -66,3 +68,7 @@ def test_two_cpu_processes_train_as_well_as_one(tmp_path, run_ranks):
     assert two[0]["auc"] == two[1]["auc"]  # the metric is synced over ranks
     assert abs(two[0]["auc"] - one["auc"]) < 0.005, (one, two)
     assert two[0]["kinds"] == ["row_wise"] and all(r["bytes"] > 0 for r in two)
+    # Sparse k-step sync (replicas merged every 4 steps) is another algorithm: close, not equal.
+    replicas = _fit(run_ranks, 2, str(tmp_path / "two"), "row_wise", "k_step")
+    assert replicas[0]["auc"] == replicas[1]["auc"]
+    assert abs(replicas[0]["auc"] - one["auc"]) < 0.01, (one, replicas)

@@ -1,0 +1,268 @@
+"""Sparse k-step sync: ranks train local replicas of the rows they touch; every k steps the
+owners average the replicas' deltas (the paper's pull / push per pass)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ctr_lightning.embedding.key_index import KeyIndex, dedup
+from ctr_lightning.embedding.local_tables import LocalTables
+from ctr_lightning.embedding.optimizers import SparseOptimizer
+from ctr_lightning.embedding.row_cache import Rows
+from ctr_lightning.embedding.sharded_tables import gather_tables, rank_storage
+from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
+from ctr_lightning.embedding.storage_config import StorageConfig
+
+
+class ReplicatedTables:
+    """Owner shards plus a per-rank replica of the rows this rank's batches touch.
+
+    Each step, rows the replica lacks are pulled from their owners (ids out, rows with
+    optimizer state back: one all-to-all of each). Forward and backward then run on the
+    replica alone, with the fused optimizer; no pooled embeddings or gradients travel.
+    Every ``k`` training steps each rank pushes the deltas of the rows it changed to
+    their owners, each owner adds the mean delta of the ranks that touched a row, and the
+    replicas are emptied, so the next steps pull fresh rows.
+
+    With ``k=1`` and the same batch on every rank, this equals one process on that batch.
+
+    Example::
+
+        tables = ReplicatedTables(configs, storage, id_space, False, SparseAdam(), device, 0, "auto",
+                                  plan, group, sync_every=16)
+        pooled = tables.forward(local_kjt, train=True)
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        storage: Mapping[str, StorageConfig],
+        id_space: Mapping[str, str],
+        is_weighted: bool,
+        optimizer: SparseOptimizer,
+        device: torch.device,
+        seed: int,
+        kernel: str,
+        plan: Mapping[str, TableSharding],
+        group: dist.ProcessGroup,
+        sync_every: int,
+        owner: str = "TieredEmbeddingBagCollection",
+    ) -> None:
+        self.tables = list(tables)
+        self.plan = dict(plan)
+        self.group = group
+        self.world = group.size()
+        self.rank = dist.get_rank(group)
+        self.k = sync_every
+        owned = [t for t in tables if plan[t.name].kind == "row_wise" or plan[t.name].owner == self.rank]
+        local_storage = {name: rank_storage(s, self.rank) for name, s in storage.items()}
+        self.shard = LocalTables(owned, local_storage, id_space, is_weighted, optimizer, device, seed, kernel, owner)
+        # The replica holds one interval's working set, in memory.
+        self.replica = LocalTables(tables, {t.name: StorageConfig() for t in tables}, id_space, is_weighted,
+                                   optimizer, device, seed, kernel, owner)
+        index = {t.name: i for i, t in enumerate(tables)}
+        self.replica_globals = [np.array([index[n] for n in g.names], dtype=np.int64) for g in self.replica.groups]
+        self.is_row_wise = np.array([plan[t.name].kind == "row_wise" for t in tables])
+        self.table_owner = np.array([plan[t.name].owner for t in tables], dtype=np.int64)
+        n = len(tables)
+        self.width = np.zeros(n, dtype=np.int64)
+        self.replica_group_of = np.zeros(n, dtype=np.int64)
+        self.replica_local_of = np.zeros(n, dtype=np.int64)
+        for g, (group_, globals_) in enumerate(zip(self.replica.groups, self.replica_globals)):
+            self.width[globals_] = group_.width
+            self.replica_group_of[globals_] = g
+            self.replica_local_of[globals_] = np.arange(len(globals_))
+        self.shard_group_of = np.full(n, -1, dtype=np.int64)
+        self.shard_local_of = np.full(n, -1, dtype=np.int64)
+        for name, (g, local) in self.shard.table_of_name.items():
+            self.shard_group_of[index[name]], self.shard_local_of[index[name]] = g, local
+        self._bases: list[list[tuple[np.ndarray, np.ndarray, torch.Tensor]]] = [[] for _ in self.replica.groups]
+        self.trained_steps = 0
+        self.merges = 0
+        self.bytes_sent = 0
+
+    # -- one step --------------------------------------------------------------------------
+
+    def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
+        if train:
+            if self.trained_steps and self.trained_steps % self.k == 0:
+                self.merge()
+            self.trained_steps += 1
+        self._pull(features)
+        return self.replica.forward(features, train)
+
+    def _owner(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        by_hash = row_owner(torch.from_numpy(ids), self.world).numpy()
+        return np.where(self.is_row_wise[tables], by_hash, self.table_owner[tables])
+
+    def _pull(self, features: KeyedJaggedTensor) -> None:
+        """Bring the rows of this batch that the replica lacks from their owners."""
+        wanted_tables, wanted_ids = [], []
+        for g, (group, (ids, tables, _, _)) in enumerate(zip(self.replica.groups, self.replica.split(features))):
+            group.validate(tables, ids)
+            first, _ = dedup(ids, tables)
+            t, i = tables[first], ids[first]
+            missing = group.device_tier.lookup(t, i) < 0
+            wanted_tables.append(self.replica_globals[g][t[missing]])
+            wanted_ids.append(i[missing])
+        tables, ids = np.concatenate(wanted_tables), np.concatenate(wanted_ids)
+        dest = self._owner(tables, ids)
+        order = np.argsort(dest, kind="stable")  # by owner, then by replica group as listed
+        tables, ids, dest = tables[order], ids[order], dest[order]
+        counts = np.bincount(dest, minlength=self.world)
+        asked = self._exchange(torch.from_numpy(np.stack([tables, ids], axis=1)), counts.tolist())
+        answers = [self._owned_rows(a[:, 0].numpy(), a[:, 1].numpy()) for a in asked]
+        received = self._exchange(torch.cat(answers), [a.numel() for a in answers], flat=True)
+        self._insert(tables, ids, counts, received)
+
+    def _owned_rows(self, tables: np.ndarray, ids: np.ndarray) -> torch.Tensor:
+        """Full rows (weights and optimizer state) this owner holds, flattened in order."""
+        out = []
+        for start, end in _runs(self.shard_group_of[tables]):
+            group = self.shard.groups[int(self.shard_group_of[tables[start]])]
+            out.append(group.full_rows(self.shard_local_of[tables[start:end]], ids[start:end]).reshape(-1))
+        return torch.cat(out) if out else torch.empty(0)
+
+    def _insert(self, tables: np.ndarray, ids: np.ndarray, counts: np.ndarray, received: list[torch.Tensor]) -> None:
+        starts = np.concatenate([[0], np.cumsum(counts)])
+        for r in range(self.world):
+            flat, offset = received[r], 0
+            t_r, i_r = tables[starts[r] : starts[r + 1]], ids[starts[r] : starts[r + 1]]
+            for start, end in _runs(self.replica_group_of[t_r]):
+                g = int(self.replica_group_of[t_r[start]])
+                group = self.replica.groups[g]
+                rows = flat[offset : offset + (end - start) * group.width].view(end - start, group.width)
+                offset += rows.numel()
+                local = self.replica_local_of[t_r[start:end]]
+                group.device_tier.insert(Rows(local, i_r[start:end], rows, np.zeros(end - start, dtype=bool)))
+                self._bases[g].append((local, i_r[start:end], rows.clone()))
+
+    # -- every k steps ---------------------------------------------------------------------
+
+    def merge(self) -> None:
+        """Collective: push the deltas of changed rows to their owners, who add each row's
+        mean delta over the ranks that changed it; then empty the replicas."""
+        keys: list[list[np.ndarray]] = [[] for _ in range(self.world)]
+        flats: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
+        for g, group in enumerate(self.replica.groups):
+            entries = group.device_tier.entries()
+            changed = entries.select(entries.dirty)
+            if not len(changed):
+                continue
+            base_index = KeyIndex()
+            base_index.insert(np.concatenate([b[1] for b in self._bases[g]]),
+                              np.concatenate([b[0] for b in self._bases[g]]),
+                              np.arange(sum(len(b[1]) for b in self._bases[g]), dtype=np.int64))
+            base_rows = torch.cat([b[2] for b in self._bases[g]])
+            position = torch.from_numpy(base_index.lookup(changed.ids, changed.tables))
+            delta = changed.values.cpu() - base_rows[position]
+            tables = self.replica_globals[g][changed.tables]
+            dest = self._owner(tables, changed.ids)
+            for r in range(self.world):  # each destination gets one block per replica group
+                mine = dest == r
+                if mine.any():
+                    keys[r].append(np.stack([tables[mine], changed.ids[mine]], axis=1))
+                    flats[r].append(delta[torch.from_numpy(mine)].reshape(-1))
+        sent_keys = [np.concatenate(k) if k else np.empty((0, 2), dtype=np.int64) for k in keys]
+        sent_flat = [torch.cat(f) if f else torch.empty(0) for f in flats]
+        got_keys = self._exchange(torch.from_numpy(np.concatenate(sent_keys)), [len(k) for k in sent_keys])
+        got_flat = self._exchange(torch.cat(sent_flat), [f.numel() for f in sent_flat], flat=True)
+        self._apply_deltas(got_keys, got_flat)
+        for g, group in enumerate(self.replica.groups):
+            group.device_tier.clear()
+            self._bases[g] = []
+        self.merges += 1
+
+    def _apply_deltas(self, got_keys: list[torch.Tensor], got_flat: list[torch.Tensor]) -> None:
+        per_group: dict[int, list[tuple[np.ndarray, np.ndarray, torch.Tensor]]] = {}
+        for keys, flat in zip(got_keys, got_flat):
+            keys = keys.numpy()
+            offset = 0
+            for start, end in _runs(self.replica_group_of[keys[:, 0]]):
+                width = int(self.width[keys[start, 0]])
+                rows = flat[offset : offset + (end - start) * width].view(end - start, width)
+                offset += rows.numel()
+                g = int(self.replica_group_of[keys[start, 0]])
+                per_group.setdefault(g, []).append((keys[start:end, 0], keys[start:end, 1], rows))
+        for parts in per_group.values():
+            tables = np.concatenate([p[0] for p in parts])
+            ids = np.concatenate([p[1] for p in parts])
+            rows = torch.cat([p[2] for p in parts])
+            first, inverse = dedup(ids, tables)
+            mean = torch.zeros(len(first), rows.shape[1])
+            mean.index_add_(0, torch.from_numpy(inverse), rows)
+            mean /= torch.from_numpy(np.bincount(inverse, minlength=len(first))).to(mean.dtype)[:, None]
+            tables, ids = tables[first], ids[first]
+            for sg in np.unique(self.shard_group_of[tables]):
+                pick = np.flatnonzero(self.shard_group_of[tables] == sg)
+                group = self.shard.groups[int(sg)]
+                local = self.shard_local_of[tables[pick]]
+                group.put_rows(local, ids[pick], group.full_rows(local, ids[pick]) + mean[torch.from_numpy(pick)])
+
+    def _exchange(self, tensor: torch.Tensor, counts: Sequence[int], flat: bool = False) -> list[torch.Tensor]:
+        """all_to_all_single with per-destination sizes (rows of ``tensor``, or elements
+        when ``flat``); returns what each rank sent here."""
+        send = torch.tensor(list(counts), dtype=torch.int64)
+        recv = torch.empty(self.world, dtype=torch.int64)
+        dist.all_to_all_single(recv, send, group=self.group)
+        out = torch.empty((int(recv.sum()), *tensor.shape[1:]), dtype=tensor.dtype)
+        dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv.tolist(),
+                               input_split_sizes=send.tolist(), group=self.group)
+        row_bytes = tensor.element_size() * (int(np.prod(tensor.shape[1:])) if tensor.dim() > 1 else 1)
+        self.bytes_sent += (int(send.sum()) - int(send[self.rank])) * row_bytes
+        return list(torch.split(out, recv.tolist()))
+
+    # -- reads, checkpoints ----------------------------------------------------------------
+
+    def owns(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return owned_mask(self.plan[table], ids, self.world, self.rank)
+
+    def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Collective: merges first, then every rank gets the owners' rows."""
+        self.merge()
+        dim = next(t.embedding_dim for t in self.tables if t.name == table)
+        out = torch.zeros(len(ids), dim)
+        mine = self.owns(table, ids)
+        if mine.any():
+            out[mine] = self.shard.rows(table, ids[mine].numpy())
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def tier_stats(self) -> dict[str, int]:
+        return self.shard.tier_stats()
+
+    def export(self) -> dict[str, dict[str, Any]]:
+        """Collective: merges, then every rank gets the rows of all shards, per table."""
+        self.merge()
+        state = gather_tables(self.shard.export(), self.tables, self.world, self.group)
+        steps = {name: s["steps"] for name, s in self.replica.export().items()}
+        for name in state:
+            state[name]["steps"] = steps[name]
+        return state
+
+    def load(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        self.shard.load(state, keep=self.owns)
+        for group in self.replica.groups:
+            group.device_tier.clear()
+            group.steps = np.array([int(state[n]["steps"]) for n in group.names], dtype=np.int64)
+        self._bases = [[] for _ in self.replica.groups]
+
+    def move_device_tier(self, device: torch.device) -> None:
+        self.shard.move_device_tier(device)
+        self.replica.move_device_tier(device)
+
+
+def _runs(values: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, end)`` of the runs of equal consecutive values."""
+    if not len(values):
+        return []
+    cuts = np.flatnonzero(np.diff(values)) + 1
+    bounds = np.concatenate([[0], cuts, [len(values)]])
+    return [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]

@@ -1,0 +1,128 @@
+import numpy as np
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ctr_lightning.embedding import SparseAdam, TieredEmbeddingBagCollection
+
+TABLES = [
+    EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=400, feature_names=["f0"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=300, feature_names=["f1"], pooling=PoolingType.MEAN),
+]
+COMMON = r"""
+import numpy as np, torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+TABLES = [
+    EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=400, feature_names=["f0"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=300, feature_names=["f1"], pooling=PoolingType.MEAN),
+]
+def batch(seed):
+    rng = np.random.default_rng(seed)
+    lengths = np.stack([np.ones(32, dtype=np.int64), rng.integers(0, 4, 32)])
+    ids = np.concatenate([rng.zipf(1.3, size=int(l.sum())) % 300 for l in lengths])
+    return KeyedJaggedTensor(keys=["f0", "f1"], values=torch.from_numpy(ids), lengths=torch.from_numpy(lengths.reshape(-1)))
+WEIGHTS = torch.randn(12, generator=torch.Generator().manual_seed(0))
+def step(ebc, kjt):
+    (ebc(kjt).values() @ WEIGHTS).mean().backward()
+"""
+exec(COMMON)
+
+RANK_SCRIPT = COMMON + r"""
+import os, sys, json
+import torch.distributed as dist
+from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+rank, port, out_dir, same, k, steps = (int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "same",
+                                       int(sys.argv[5]), int(sys.argv[6]))
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+ebc = TieredEmbeddingBagCollection(
+    TABLES, optimizer=SparseAdam(lr=0.05), sparse_sync="k_step", sync_every=k, sharding={"t0": "row_wise", "t1": "table_wise"},
+    storage=StorageConfig(device_rows=40, host_rows=0, ssd_dir=os.path.join(out_dir, f"ssd_{sys.argv[4]}")))
+for s in range(steps):
+    step(ebc, batch(s if same else 100 * rank + s))
+state = ebc.get_extra_state()  # collective: merges what is pending, gathers the shards
+if rank == 0:
+    torch.save({"state": state, "bytes": ebc.comm_bytes(), "stats": ebc.tier_stats()},
+               os.path.join(out_dir, f"{sys.argv[4]}.pt"))
+print("RESULT {}", flush=True)
+"""
+
+
+def by_id(table_state):
+    order = torch.argsort(table_state["ids"])
+    return table_state["ids"][order], table_state["rows"][order]
+
+
+@pytest.mark.slow
+def test_same_batches_on_both_ranks_equal_one_process(tmp_path, run_ranks):
+    run_ranks(RANK_SCRIPT, ["{port}", str(tmp_path), "same", "3", "9"], world=2, ddp_env=False)
+    got = torch.load(tmp_path / "same.pt", weights_only=False)
+    ref = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
+    for s in range(9):
+        step(ref, batch(s))
+    want = ref.get_extra_state()["tables"]
+    for name in ("t0", "t1"):
+        (wi, wr), (gi, gr) = by_id(want[name]), by_id(got["state"]["tables"][name])
+        assert torch.equal(wi, gi)
+        torch.testing.assert_close(gr, wr, atol=1e-5, rtol=0)  # weights and Adam state
+        assert got["state"]["tables"][name]["steps"] == 9
+    assert got["stats"]["ssd_hits"] > 0 and got["bytes"] > 0
+
+
+@pytest.mark.slow
+def test_owners_average_the_deltas_of_the_ranks_that_touched_a_row(tmp_path, run_ranks):
+    k, steps = 2, 6
+    run_ranks(RANK_SCRIPT, ["{port}", str(tmp_path), "different", str(k), str(steps)], world=2, ddp_env=False)
+    got = torch.load(tmp_path / "different.pt", weights_only=False)["state"]["tables"]
+    # Reference: each interval, two single processes start from the merged state and train
+    # k steps on their rank's batches; a row becomes base + mean delta of those that touched it.
+    fresh = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
+    width = {"t0": 24, "t1": 12}
+    state = {t.name: {"ids": torch.empty(0, dtype=torch.int64), "rows": torch.empty(0, width[t.name]), "steps": 0}
+             for t in TABLES}
+    for interval in range(steps // k):
+        results, touched = [], []
+        for rank in range(2):
+            ebc = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
+            ebc.set_extra_state({"tables": state})
+            seen = {"t0": set(), "t1": set()}
+            for s in range(interval * k, (interval + 1) * k):
+                kjt = batch(100 * rank + s)
+                for f, t in (("f0", "t0"), ("f1", "t1")):
+                    seen[t] |= set(kjt[f].values().tolist())
+                step(ebc, kjt)
+            results.append(ebc.get_extra_state()["tables"])
+            touched.append(seen)
+        new_state = {}
+        for t in TABLES:
+            name, dim = t.name, t.embedding_dim
+            ids = sorted(touched[0][name] | touched[1][name] | set(state[name]["ids"].tolist()))
+            ids_t = torch.tensor(ids, dtype=torch.int64)
+            base = torch.zeros(len(ids), width[name])
+            base[:, :dim] = fresh.rows(name, ids_t)
+            pos = {int(i): n for n, i in enumerate(state[name]["ids"])}
+            for n, i in enumerate(ids):
+                if i in pos:
+                    base[n] = state[name]["rows"][pos[i]]
+            total, count = torch.zeros_like(base), torch.zeros(len(ids), 1)
+            for rank in range(2):
+                where = {int(i): n for n, i in enumerate(results[rank][name]["ids"])}
+                for n, i in enumerate(ids):
+                    if i in touched[rank][name]:
+                        total[n] += results[rank][name]["rows"][where[i]] - base[n]
+                        count[n] += 1
+            new_state[name] = {"ids": ids_t, "rows": base + total / count.clamp(min=1),
+                               "steps": (interval + 1) * k}
+        state = new_state
+    for t in TABLES:
+        (wi, wr), (gi, gr) = by_id(state[t.name]), by_id(got[t.name])
+        assert torch.equal(wi, gi) and len(gi) > 50  # stored rows are exactly the trained ones
+        torch.testing.assert_close(gr, wr, atol=1e-5, rtol=0)
+
+
+def test_bad_sparse_sync_arguments():
+    with pytest.raises(ValueError, match="sparse_sync must be 'step' or 'k_step'"):
+        TieredEmbeddingBagCollection(TABLES, sparse_sync="async")
+    with pytest.raises(ValueError, match="sync_every must be >= 1"):
+        TieredEmbeddingBagCollection(TABLES, sparse_sync="k_step", sync_every=0)
