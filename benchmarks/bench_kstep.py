@@ -99,6 +99,8 @@ def main() -> None:
     if trainer.global_rank == 0:
         print("RESULT " + json.dumps({"config": args.config, "steps_per_s": clock.steps / seconds,
                                       "bytes_per_step": sent, "params": params}), flush=True)
+    if torch.distributed.is_initialized():  # an orderly shutdown of the gloo threads
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

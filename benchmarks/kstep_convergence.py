@@ -38,6 +38,9 @@ trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=KStepAd
                      enable_model_summary=False, num_sanity_val_steps=0)
 trainer.fit(model, datamodule=dm)
 print("RESULT " + json.dumps({"auc": float(trainer.callback_metrics["val/auc"]), "steps": trainer.global_step}))
+import torch.distributed as _dist
+if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
+    _dist.destroy_process_group()
 """
 
 

@@ -23,6 +23,9 @@ trainer.fit(model, datamodule=dm)
 held = dm._train_loader.held_back
 print("RESULT " + json.dumps({"rank": trainer.global_rank, "batches": Count.batches, "examples": Count.examples,
                               "held_back_examples": held[1]}))
+import torch.distributed as _dist
+if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
+    _dist.destroy_process_group()
 """
 
 

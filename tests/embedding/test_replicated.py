@@ -46,6 +46,9 @@ if rank == 0:
     torch.save({"state": state, "bytes": ebc.comm_bytes(), "stats": ebc.tier_stats()},
                os.path.join(out_dir, f"{sys.argv[4]}.pt"))
 print("RESULT {}", flush=True)
+import torch.distributed as _dist
+if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
+    _dist.destroy_process_group()
 """
 
 

@@ -66,6 +66,9 @@ for kind in ("row_wise", "table_wise", {"t0": "row_wise", "t1": "table_wise", "t
                     "plan": {k: (v.kind, v.owner) for k, v in (ebc.sharding_plan or {}).items()},
                     "bytes": ebc.comm_bytes()}, os.path.join(out_dir, f"{label}_{world}.pt"))
 print("RESULT {}", flush=True)
+import torch.distributed as _dist
+if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
+    _dist.destroy_process_group()
 """
 
 

@@ -33,6 +33,9 @@ plan = model.embeddings.sharding_plan or {}
 print("RESULT " + json.dumps({"rank": trainer.global_rank, "auc": float(trainer.callback_metrics["val/auc"]),
                               "bytes": bytes_logged[-1] if bytes_logged else 0.0,
                               "kinds": sorted({p.kind for p in plan.values()})}), flush=True)
+import torch.distributed as _dist
+if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
+    _dist.destroy_process_group()
 """
 
 

@@ -60,6 +60,9 @@ if kind != "ddp":
     result.update(merges=strategy.merges, divergence=strategy.last_divergence,
                   intra=strategy.average.bytes.intra_node, inter=strategy.average.bytes.inter_node)
 print("RESULT " + json.dumps(result), flush=True)
+import torch.distributed as _dist
+if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
+    _dist.destroy_process_group()
 """
 
 PARAMS = 8 * 32 + 32 + 32 + 1
