@@ -43,6 +43,31 @@ class OverArch(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
+class WithTables(OverArch):
+    """The over-arch on 26 sharded embedding tables (dim 16), to compare sparse sync modes."""
+
+    def __init__(self, sparse_sync: str) -> None:
+        super().__init__()
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+        from ctr_lightning.embedding import SparseAdam, TieredEmbeddingBagCollection
+
+        self.ebc = TieredEmbeddingBagCollection(
+            [EmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=100_000, feature_names=[f"f{i}"])
+             for i in range(26)], optimizer=SparseAdam(lr=1e-3), sparse_sync=sparse_sync, sync_every=16)
+        self.project = nn.Linear(26 * 16, SIZES[0])
+
+    def training_step(self, batch, batch_idx):
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        ids, y = batch
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=[f"f{i}" for i in range(26)], values=ids.T.reshape(-1),
+            lengths=torch.ones(ids.numel(), dtype=torch.int32))
+        x = self.project(self.ebc(kjt).values())
+        return F.binary_cross_entropy_with_logits(self.net(x).squeeze(-1), y)
+
+
 class Clock(pl.Callback):
     """Times the steps after the first few (connection set-up, allocator warm-up)."""
 
@@ -69,12 +94,14 @@ def strategy(name: str):
 
         return DDPStrategy(model_averaging_period=16, ddp_comm_state=post_localSGD.PostLocalSGDState(
             process_group=None, subgroup=None, start_localSGD_iter=8), ddp_comm_hook=post_localSGD.post_localSGD_hook)
+    if name in ("emb_step", "emb_k16"):  # dense k=16 in both; the sparse sync differs
+        return KStepAdamStrategy(k=16, mode="all")
     raise ValueError(f"unknown configuration {name!r}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, choices=["k1", "k16", "ddp_avg16"])
+    parser.add_argument("--config", required=True, choices=["k1", "k16", "ddp_avg16", "emb_step", "emb_k16"])
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
@@ -83,17 +110,24 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(args.steps * args.batch * 2, SIZES[0])
     data = TensorDataset(x, (x[:, 0] > 0).float())
+    if args.config.startswith("emb"):
+        u = torch.rand(args.steps * args.batch * 2, 26, dtype=torch.float64)
+        ids = ((((100_001 ** -0.1) - 1) * u + 1) ** (1 / -0.1)).long() - 1  # Zipf s=1.1 over 100k ids
+        data = TensorDataset(ids, (ids[:, 0] % 2).float())
     clock = Clock()
     chosen = strategy(args.config)
     trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=chosen, max_steps=args.steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[clock])
-    module = OverArch()
+    module = WithTables("k_step" if args.config == "emb_k16" else "step") if args.config.startswith("emb") \
+        else OverArch()
     trainer.fit(module, DataLoader(data, batch_size=args.batch))
     seconds = time.perf_counter() - clock.start
     params = sum(p.numel() for p in module.parameters())
     if isinstance(chosen, KStepAdamStrategy):
         sent = chosen.average.bytes.inter_node / args.steps
+        if isinstance(module, WithTables):  # the tables' all-to-alls cross the link too
+            sent += module.ebc.comm_bytes() / args.steps
     else:  # a ring all-reduce of the gradients every step (plus the periodic averages)
         sent = 2 * (2 - 1) * params * 4 / 2 * (1 + 1 / 16)
     if trainer.global_rank == 0:
