@@ -110,11 +110,13 @@ class LocalTables:
             value_start += n_values
         return out
 
-    def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
-        """Pooled embeddings ``[batch, sum of dims]`` in config feature order."""
+    def forward(self, features: KeyedJaggedTensor, train: bool, parts: list[tuple] | None = None) -> torch.Tensor:
+        """Pooled embeddings ``[batch, sum of dims]`` in config feature order (``parts``:
+        :meth:`split` of ``features``, when the caller has it already)."""
         batch = features.stride()
+        parts = self.split(features) if parts is None else parts
         outputs = [group.lookup(ids, tables, offsets, weights, batch, train)
-                   for group, (ids, tables, offsets, weights) in zip(self.groups, self.split(features))]
+                   for group, (ids, tables, offsets, weights) in zip(self.groups, parts)]
         pooled = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         if self.column_order is not None:  # groups interleave the config's feature order
             pooled = pooled.index_select(1, self.column_order.to(pooled.device))

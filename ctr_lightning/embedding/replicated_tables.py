@@ -16,7 +16,7 @@ from ctr_lightning.embedding.key_index import KeyIndex, dedup
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.optimizers import SparseOptimizer
 from ctr_lightning.embedding.row_cache import Rows
-from ctr_lightning.embedding.sharded_tables import gather_tables, rank_storage
+from ctr_lightning.embedding.sharded_tables import gather_tables, owners_rows, rank_storage
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
 from ctr_lightning.embedding.storage_config import StorageConfig
 
@@ -95,19 +95,19 @@ class ReplicatedTables:
             if self.trained_steps and self.trained_steps % self.k == 0:
                 self.merge()
             self.trained_steps += 1
-        self._pull(features)
-        return self.replica.forward(features, train)
+        parts = self.replica.split(features)
+        self._pull(parts)
+        return self.replica.forward(features, train, parts)
 
     def _owner(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
         by_hash = row_owner(torch.from_numpy(ids), self.world).numpy()
         return np.where(self.is_row_wise[tables], by_hash, self.table_owner[tables])
 
-    def _pull(self, features: KeyedJaggedTensor) -> None:
-        """Bring the rows of this batch that the replica lacks from their owners."""
+    def _pull(self, parts: list[tuple[np.ndarray, np.ndarray, Any, Any]]) -> None:
+        """Bring the rows of this batch (``LocalTables.split``) that the replica lacks from their owners."""
         wanted_tables, wanted_ids = [], []
-        for g, (group, (ids, tables, _, _)) in enumerate(zip(self.replica.groups, self.replica.split(features))):
-            group.validate(tables, ids)
-            first, _ = dedup(ids, tables)
+        for g, (group, (ids, tables, _, _)) in enumerate(zip(self.replica.groups, parts)):
+            first, _ = group.dedup_ahead(ids, tables)
             t, i = tables[first], ids[first]
             missing = group.device_tier.lookup(t, i) < 0
             wanted_tables.append(self.replica_globals[g][t[missing]])
@@ -227,13 +227,7 @@ class ReplicatedTables:
     def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Collective: merges first, then every rank gets the owners' rows."""
         self.merge()
-        dim = next(t.embedding_dim for t in self.tables if t.name == table)
-        out = torch.zeros(len(ids), dim)
-        mine = self.owns(table, ids)
-        if mine.any():
-            out[mine] = self.shard.rows(table, ids[mine].numpy())
-        dist.all_reduce(out, group=self.group)
-        return out
+        return owners_rows(self.shard, self.tables, table, self.owns(table, ids), ids, self.group)
 
     def tier_stats(self) -> dict[str, int]:
         return self.shard.tier_stats()

@@ -194,13 +194,7 @@ class ShardedTables:
 
     def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Collective: every rank passes the same ids and gets the owners' rows."""
-        dim = next(t.embedding_dim for t in self.tables if t.name == table)
-        out = torch.zeros(len(ids), dim)
-        mine = self.owns(table, ids)
-        if mine.any():
-            out[mine] = self.local.rows(table, ids[mine].numpy())
-        dist.all_reduce(out, group=self.group)
-        return out
+        return owners_rows(self.local, self.tables, table, self.owns(table, ids), ids, self.group)
 
     def tier_stats(self) -> dict[str, int]:
         return self.local.tier_stats()
@@ -235,4 +229,15 @@ def gather_tables(local: dict[str, dict[str, Any]], tables: Sequence[EmbeddingBa
         parts = [s[t.name] for s in shards if t.name in s]
         out[t.name] = {"ids": torch.cat([p["ids"] for p in parts]), "rows": torch.cat([p["rows"] for p in parts]),
                        "steps": max(p["steps"] for p in parts)}
+    return out
+
+
+def owners_rows(shard: LocalTables, tables: Sequence[EmbeddingBagConfig], table: str, mine: torch.Tensor,
+                ids: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Collective: each rank fills in the rows it owns (``mine``) and the sum reaches all."""
+    dim = next(t.embedding_dim for t in tables if t.name == table)
+    out = torch.zeros(len(ids), dim)
+    if mine.any():
+        out[mine] = shard.rows(table, ids[mine].numpy())
+    dist.all_reduce(out, group=group)
     return out

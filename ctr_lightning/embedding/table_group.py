@@ -239,6 +239,15 @@ class TableGroup:
         self.validate(tables, ids)
         return dedup(ids, tables)
 
+    def dedup_ahead(self, ids: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Validate and deduplicate ids before their lookup, which then reuses the result."""
+        self.validate(tables, ids)
+        first, inverse = dedup(ids, tables)
+        self._dedup_cache[ids.ctypes.data] = (ids, tables, first, inverse)
+        while len(self._dedup_cache) > 64:  # batches read ahead but never looked up (evaluation)
+            self._dedup_cache.pop(next(iter(self._dedup_cache)))
+        return first, inverse
+
     def _ssd_tokens(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return self.ssd.locate(tables, ids)[1]
 
@@ -250,11 +259,7 @@ class TableGroup:
         """
         if self.current_batch is None:
             self.current_batch = batch
-        self.validate(tables, ids)
-        first, inverse = dedup(ids, tables)
-        self._dedup_cache[ids.ctypes.data] = (ids, tables, first, inverse)
-        while len(self._dedup_cache) > 64:  # batches read ahead but never looked up (evaluation)
-            self._dedup_cache.pop(next(iter(self._dedup_cache)))
+        first, _ = self.dedup_ahead(ids, tables)
         tables, ids = tables[first], ids[first]
         slots = self.device_tier.lookup(tables, ids)
         present = slots >= 0
