@@ -3,32 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.csv as pacsv
 
-from ctr_lightning.datamodules import field_decoders as fd
+from ctr_lightning.datamodules.criteo_parser import NUM_FIELDS, ParsedBlock, parse_block, warm_up
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
-from ctr_lightning.datamodules.sources import FileSlice, read_csv_blocks
+from ctr_lightning.datamodules.sources import FileSlice, line_blocks
 from ctr_lightning.datamodules.stream import DecodedRows
 from ctr_lightning.datamodules.synthetic_criteo import DENSE_NAMES, SPARSE_NAMES
+
 
 class CriteoFormat:
     """Reads the Criteo raw TSV layout and turns it into model-ready arrays.
 
     Counts become ``log(1 + max(x, 0))`` with missing as 0; each categorical value is
     hashed with its feature index to a 63-bit id (missing gets an id of its own).
-    ``negative_counts="bad"`` makes a negative count a bad line instead of a 0.
+    ``negative_counts="bad"`` makes a negative count a bad line instead of a 0. Lines
+    are split and decoded in one compiled pass (:mod:`criteo_parser`).
 
     Example::
 
         fmt = CriteoFormat()
-        for record_batch in fmt.read(FileSlice("day_0.tsv"), on_invalid_row=lambda r: "skip"):
-            rows = fmt.decode(record_batch)
+        for block in fmt.read(FileSlice("day_0.tsv"), on_invalid_row=lambda r: "skip"):
+            rows = fmt.decode(block)
     """
 
-    num_fields = 1 + len(DENSE_NAMES) + len(SPARSE_NAMES)
+    num_fields = NUM_FIELDS
     delimiter = b"\t"
     line_based = True
     header_lines = 0
@@ -38,39 +39,39 @@ class CriteoFormat:
     def __init__(self, block_size: int = 1 << 19, negative_counts: str = "clamp") -> None:
         if negative_counts not in ("clamp", "bad"):
             raise ValueError(f"negative_counts must be 'clamp' or 'bad', got {negative_counts!r}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.negative_is_bad = negative_counts == "bad"
-        names = ["label", *DENSE_NAMES, *SPARSE_NAMES]
-        self._read_options = pacsv.ReadOptions(column_names=names, block_size=block_size, use_threads=False)
-        # Binary columns skip UTF-8 validation; the compiled decoders check every byte anyway.
-        self._convert_options = pacsv.ConvertOptions(
-            column_types={name: pa.binary() for name in names}, strings_can_be_null=False)
-        self._salts = [fd.feature_salt(f) for f in range(len(SPARSE_NAMES))]
+        count = "a non-negative integer" if self.negative_is_bad else "an integer"
+        # Indexed by ParsedBlock.bad_field: the first invalid field of a line.
+        self._reasons = (["label is not 0 or 1"] + [f"{name} is not {count}" for name in DENSE_NAMES]
+                         + [f"{name} is not 8 hex digits" for name in SPARSE_NAMES])
 
-    def read(self, fslice: FileSlice, on_invalid_row: Callable[[object], str]) -> Iterator[pa.RecordBatch]:
-        parse = pacsv.ParseOptions(
-            delimiter="\t", quote_char=False, ignore_empty_lines=False, invalid_row_handler=on_invalid_row)
+    def read(self, fslice: FileSlice, on_invalid_row: Callable[[object], str]) -> Iterator[ParsedBlock]:
+        """Blocks of parsed lines; each wrong-width line goes to ``on_invalid_row`` (an
+        object with the line's ``text``, as pyarrow's handler gets) before its block."""
         with fslice.open() as f:
-            yield from read_csv_blocks(f, self._read_options, parse, self._convert_options)
+            for data in line_blocks(f, self.block_size):
+                for block, invalid in parse_block(data, self.negative_is_bad):
+                    for text in invalid:
+                        on_invalid_row(_InvalidRow(text.decode("utf-8", "replace")))
+                    yield block
 
-    def decode(self, batch: pa.RecordBatch) -> DecodedRows:
-        n = batch.num_rows
-        labels, problems = fd.label_column(batch.column(0), "label")
-        dense = np.empty((len(DENSE_NAMES), n), dtype=np.float32)
-        for j, name in enumerate(DENSE_NAMES):
-            bad = np.zeros(n, dtype=bool)
-            fd.decode_counts(*fd.column_buffers(batch.column(1 + j)), dense[j], bad, self.negative_is_bad)
-            if bad.any():
-                what = "a non-negative integer" if self.negative_is_bad else "an integer"
-                problems.append((bad, f"{name} is not {what}"))
-        ids = np.empty((len(SPARSE_NAMES), n), dtype=np.int64)
-        for f, name in enumerate(SPARSE_NAMES):
-            bad = np.zeros(n, dtype=bool)
-            fd.decode_hex_ids(*fd.column_buffers(batch.column(1 + len(DENSE_NAMES) + f)), self._salts[f],
-                              ids[f], bad)
-            if bad.any():
-                problems.append((bad, f"{name} is not 8 hex digits"))
-        return DecodedRows(labels=labels, dense=dense.T, ids=ids.T, problems=problems)
+    def warm_up(self) -> None:
+        warm_up()
+
+    def decode(self, block: ParsedBlock) -> DecodedRows:
+        problems = []
+        bad = block.bad_field >= 0
+        if bad.any():
+            for field in np.unique(block.bad_field[bad]):
+                problems.append((block.bad_field == field, self._reasons[field]))
+        return DecodedRows(labels=block.labels, dense=block.dense, ids=block.ids, problems=problems)
+
+
+class _InvalidRow(NamedTuple):
+    text: str
 
 
 class CriteoDataModule(LogDataModule):

@@ -89,6 +89,18 @@ _HEX[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = np.arange(16, dtype=n
 _HEX[np.frombuffer(b"ABCDEF", dtype=np.uint8)] = np.arange(10, 16, dtype=np.uint8)
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def hex8(data, i):
+    """``(value, ok)`` of the 8 bytes at ``data[i]`` read as hex digits."""
+    acc = np.uint64(0)
+    seen = np.uint8(0)  # OR of the table entries: above 15 iff some byte was not hex
+    for j in range(8):
+        nibble = _HEX[data[i + j]]
+        seen |= nibble
+        acc = (acc << np.uint64(4)) | np.uint64(nibble & np.uint8(15))
+    return acc, seen <= 15
+
+
 @numba.njit(cache=True)
 def decode_hex_ids(offsets, data, salt, out, bad) -> None:
     """8 hex digits to a 63-bit id hashed with the feature's salt; empty is missing; else bad."""
@@ -97,16 +109,11 @@ def decode_hex_ids(offsets, data, salt, out, bad) -> None:
         length = offsets[i + 1] - start
         value = MISSING_VALUE
         if length == 8:
-            acc = np.uint64(0)
-            seen = np.uint8(0)  # OR of the table entries: above 15 iff some byte was not hex
-            for j in range(8):
-                nibble = _HEX[data[start + j]]
-                seen |= nibble
-                acc = (acc << np.uint64(4)) | np.uint64(nibble & np.uint8(15))
-            if seen > 15:
-                bad[i] = True
+            hex_value, ok = hex8(data, start)
+            if ok:
+                value = hex_value
             else:
-                value = acc
+                bad[i] = True
         elif length != 0:
             bad[i] = True
         out[i] = np.int64(splitmix64_one(value ^ salt) & _MASK63)
@@ -136,4 +143,4 @@ def _hash_values(values, salt, out) -> None:
 
 
 __all__ = ["MISSING_VALUE", "column_buffers", "decode_counts", "decode_hex_ids", "decode_labels",
-           "feature_salt", "hash_bytes_ids", "hash_values", "label_column"]
+           "feature_salt", "hash_bytes_ids", "hex8", "hash_values", "label_column"]

@@ -28,7 +28,7 @@ class LogDataModule(pl.LightningDataModule):
         batch_size: examples per batch.
         num_workers: DataLoader worker processes per rank.
         bad_lines: ``"skip"`` (count and log) or ``"raise"`` (stop with file:line).
-        block_size: bytes pyarrow parses at a time.
+        block_size: bytes parsed at a time.
         online: time-ordered training: ``train_paths`` are successive time slices (one
             file or glob match per day, in name order); epoch k trains on slice k and
             validates on slice k + 1 (progressive validation). Needs

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 from fsspec.core import url_to_fs
@@ -181,6 +182,40 @@ def iter_lines(fslice: FileSlice) -> Iterator[tuple[int, bytes]]:
             pos += len(line)
             line_no += 1
             yield line_no, line.rstrip(b"\r\n")
+
+
+def line_blocks(f: io.RawIOBase | io.BufferedIOBase, block_size: int) -> Iterator[np.ndarray]:
+    """The bytes of ``f`` in blocks of whole lines, each about ``block_size`` bytes.
+
+    A block ends after its last newline (a line longer than a block spans several reads);
+    the file's last line may lack its newline. The cut depends on the bytes alone, so
+    every reader of a stream sees the same blocks. Raises the stream's kept error, as
+    :func:`read_csv_blocks` does, once the readable part has been handed out.
+    """
+    tail = b""
+    while True:
+        buffer = bytearray(len(tail) + block_size)
+        buffer[: len(tail)] = tail
+        view, got = memoryview(buffer), len(tail)
+        while got < len(buffer):
+            n = f.readinto(view[got:])
+            if not n:
+                break
+            got += n
+        view.release()
+        if got == len(tail):  # end of the stream
+            if tail:
+                yield np.frombuffer(bytes(tail), dtype=np.uint8)
+            break
+        cut = buffer.rfind(b"\n", 0, got) + 1
+        if cut == 0:
+            tail = bytes(buffer[:got])
+            continue
+        tail = bytes(buffer[cut:got])
+        yield np.frombuffer(buffer, dtype=np.uint8, count=cut)
+    error = getattr(f, "error", None)
+    if error is not None:
+        raise error
 
 
 def read_csv_blocks(

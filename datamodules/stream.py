@@ -95,6 +95,8 @@ class LogFormat(Protocol):
 
     def decode(self, batch: pa.RecordBatch) -> DecodedRows: ...
 
+    # Optional: ``warm_up()`` loads compiled code in the main process before workers fork.
+
 
 class LogStreamDataset(IterableDataset):
     """Streams batches of examples from log files without loading them whole.
@@ -298,13 +300,13 @@ class RawBatch(NamedTuple):
         return RawBatch(torch.from_numpy(buffer), tuple(len(b) for b in batches), d, f, shard,
                         tuple(sum(len(x.values) for x in b.jagged) for b in batches), j, bad_lines)
 
-    def to_batches(self, keys: list[str]) -> Iterator[Batch]:
+    def to_batches(self, keys: list[str], ones: _Ones) -> Iterator[Batch]:
         d, f, j = self.num_dense, self.num_sparse, self.num_jagged
         start = 0
         for k, n in enumerate(self.rows):
             jagged_values = self.jagged_values[k] if j else 0
             region = _Regions(start, n, f, d, j, jagged_values)
-            lengths = torch.ones(f * n, dtype=torch.int32)
+            lengths = ones(f * n)
             if j:
                 lengths = torch.cat([lengths, self.buffer[region.lengths].view(torch.int32)])
             yield Batch(
@@ -313,6 +315,25 @@ class RawBatch(NamedTuple):
                 labels=self.buffer[region.labels].view(torch.float32),
             )
             start += region.size
+
+
+class _Ones:
+    """Shared all-ones one-hot lengths, one tensor per size.
+
+    Filling a fresh tensor each batch costs more than it seems on a busy machine: the
+    fill is parallel, and its threads wait for cores the reader workers hold.
+    """
+
+    def __init__(self) -> None:
+        self._by_size: dict[int, torch.Tensor] = {}
+
+    def __call__(self, size: int) -> torch.Tensor:
+        ones = self._by_size.get(size)
+        if ones is None:
+            if len(self._by_size) > 4:  # sizes other than the batch size come once an epoch
+                self._by_size.clear()
+            ones = self._by_size[size] = torch.ones(size, dtype=torch.int32)
+        return ones
 
 
 def _padded(size: int) -> int:
@@ -357,13 +378,17 @@ class BatchDataLoader(DataLoader):
         self.shard_log: list[int] = []  # the shard of every batch handed out, in order
         self.held_back = (0, 0)  # (batches, examples) of the last pass not handed out to keep ranks even
         self.bad_line_counts: Counter[str] = Counter()  # lines skipped this pass, per file, all workers
+        self._ones = _Ones()
 
     def _batches(self) -> Iterator[tuple[int, Batch]]:
         keys = list(self.dataset.format.sparse_feature_names)
+        warm_up = getattr(self.dataset.format, "warm_up", None)
+        if warm_up is not None and self.num_workers > 0:
+            warm_up()
         for raw in super().__iter__():
             raw = RawBatch(*raw)
             self.bad_line_counts.update(dict(raw.bad_lines))
-            for batch in raw.to_batches(keys):
+            for batch in raw.to_batches(keys, self._ones):
                 yield raw.shard, batch
 
     def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]
