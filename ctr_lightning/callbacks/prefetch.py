@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from typing_extensions import override
 
 from ctr_lightning.embedding.prefetch import WorkingSetPrefetcher
@@ -16,8 +19,10 @@ class WorkingSetPrefetch(Callback):
     """Reads ``lookahead`` training batches ahead and brings their rows in from SSD
     while the current ones train (see :class:`WorkingSetPrefetcher`).
 
-    It wraps the train dataloader at the start of each epoch and finds every
-    :class:`TieredEmbeddingBagCollection` in the LightningModule. Logged per step:
+    It wraps the train dataloader (from a DataModule, the LightningModule or
+    ``fit(train_dataloaders=...)``) and finds every :class:`TieredEmbeddingBagCollection`
+    in the LightningModule. Sharded collections read ahead at the rows' owners. Logged
+    per step:
 
     - ``prefetch/hit_rate``: of the rows that had to come from SSD, the share already read ahead;
     - ``prefetch/ssd_stall_ms``: time the step waited on SSD reads, its own or unfinished reads ahead;
@@ -44,17 +49,39 @@ class WorkingSetPrefetch(Callback):
         return totals
 
     @override
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
         self._collections = [m for m in pl_module.modules() if isinstance(m, TieredEmbeddingBagCollection)]
         if not self._collections:
             raise ValueError(f"WorkingSetPrefetch: {type(pl_module).__name__} has no TieredEmbeddingBagCollection")
+        # Wrapped where Lightning asks for the train dataloader: the fit loop makes its
+        # iterator (and fetches the first batch) before any epoch hook runs, so a loader
+        # wrapped in on_train_epoch_start would miss the first epoch.
+        source = trainer.fit_loop._data_source
+        trainer.fit_loop._data_source = _PrefetchedSource(source.instance, source.name, self._wrap)
+
+    def _wrap(self, loader: Any) -> WorkingSetPrefetcher:
+        if isinstance(loader, WorkingSetPrefetcher):
+            return loader
+        if isinstance(loader, (list, tuple, dict)):
+            raise ValueError("WorkingSetPrefetch needs exactly one train dataloader")
+        return WorkingSetPrefetcher(loader, self._collections, lookahead=self.lookahead)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        source = trainer.fit_loop._data_source
+        if isinstance(source, _PrefetchedSource):
+            trainer.fit_loop._data_source = _DataLoaderSource(source.instance, source.name)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         loaders = trainer.fit_loop._combined_loader
         if loaders is None or len(loaders.flattened) != 1:
             raise ValueError("WorkingSetPrefetch needs exactly one train dataloader")
         loader = loaders.flattened[0]
-        if not isinstance(loader, WorkingSetPrefetcher):  # reused loaders stay wrapped
-            loader = WorkingSetPrefetcher(loader, self._collections, lookahead=self.lookahead)
-            loaders.flattened = [loader]
+        if not isinstance(loader, WorkingSetPrefetcher):
+            raise RuntimeError("WorkingSetPrefetch: the train dataloader was not wrapped at setup")
         self.prefetcher = loader
         self._last = self._totals()
         self._last["ssd_stall_us"] += loader.wait_us
@@ -83,3 +110,15 @@ class WorkingSetPrefetch(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
+
+
+@dataclass
+class _PrefetchedSource(_DataLoaderSource):
+    """Lightning's train dataloader source, with the loader it returns wrapped."""
+
+    wrap: Callable[[Any], Any] | None = None
+
+    @override
+    def dataloader(self) -> Any:
+        loader = super().dataloader()
+        return loader if self.wrap is None else self.wrap(loader)

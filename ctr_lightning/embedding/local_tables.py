@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -125,6 +126,28 @@ class LocalTables:
     def move_device_tier(self, device: torch.device) -> None:
         for group in self.groups:
             group.move_device_tier(device)
+
+    # -- working-set prefetch --------------------------------------------------------------
+
+    def register_upcoming(self, features: KeyedJaggedTensor, batch: int,
+                          reuse_dedup: bool = True) -> list[Callable[[], None]]:
+        """Note the rows of upcoming ``batch`` and return the SSD reads that bring in the
+        rest (see :meth:`TableGroup.register`). ``reuse_dedup``: the lookup of these very
+        ``features`` will reuse the dedup done here (false when it gets other tensors)."""
+        reads = []
+        for group, (ids, tables, _, _) in zip(self.groups, self.split(features)):
+            missing_tables, missing_ids = group.register(tables, ids, batch, reuse_dedup)
+            if len(missing_ids):
+                reads.append(functools.partial(group.stage, missing_tables, missing_ids, batch))
+        return reads
+
+    def release_upcoming(self, batch: int) -> None:
+        for group in self.groups:
+            group.release(batch)
+
+    def stop_prefetch(self) -> None:
+        for group in self.groups:
+            group.stop_prefetch()
 
     def rows(self, table: str, ids: np.ndarray) -> torch.Tensor:
         g, local = self.table_of_name[table]

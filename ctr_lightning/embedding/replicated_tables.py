@@ -252,6 +252,19 @@ class ReplicatedTables:
         self.shard.move_device_tier(device)
         self.replica.move_device_tier(device)
 
+    # -- working-set prefetch ----------------------------------------------------------------
+
+    def register_upcoming(self, features: KeyedJaggedTensor, batch: int) -> list:
+        raise NotImplementedError(
+            "sparse_sync='k_step' pulls each row from its owner when a batch first touches it; "
+            "working-set prefetch does not read those pulls ahead yet")
+
+    def release_upcoming(self, batch: int) -> None:
+        pass  # nothing was registered
+
+    def stop_prefetch(self) -> None:
+        pass
+
 
 def _runs(values: np.ndarray) -> list[tuple[int, int]]:
     """``(start, end)`` of the runs of equal consecutive values."""

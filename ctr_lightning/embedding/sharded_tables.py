@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -119,6 +119,16 @@ class ShardedTables:
     # -- one step --------------------------------------------------------------------------
 
     def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
+        features, sent, local_in, strides = self._exchange_ids(features)
+        pooled_local = self.local.forward(local_in, train)
+        pooled = self.pooled_a2a(pooled_local, batch_size_per_rank=strides).wait()
+        self.bytes_sent += self._pooled_bytes(strides, pooled_local, train)
+        return self.assemble(pooled, features)
+
+    def _exchange_ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor,
+                                                                   KeyedJaggedTensor, list[int]]:
+        """Ids to their owners: ``(features aligned, sent, the ids this rank owns from all
+        ranks' batches, each rank's batch size)``."""
         features = align_features(features, self.feature_names, self.tables, self.owner)
         sent = self.bucketize(features)
         arriving = self.ids_a2a(sent).wait()
@@ -127,27 +137,42 @@ class ShardedTables:
         received = arriving.wait()
         local_in = KeyedJaggedTensor(keys=self.local_keys, values=received.values(), lengths=received.lengths(),
                                      weights=received.weights_or_none(), stride=sum(strides))
-        pooled_local = self.local.forward(local_in, train)
-        pooled = self.pooled_a2a(pooled_local, batch_size_per_rank=strides).wait()
-        self._count_bytes(sent, strides, pooled_local, train)
-        return self.assemble(pooled, features)
+        self.bytes_sent += self._id_bytes(sent)
+        return features, sent, local_in, strides
 
-    def _count_bytes(self, sent: KeyedJaggedTensor, strides: list[int], pooled_local: torch.Tensor,
-                     train: bool) -> None:
+    def _id_bytes(self, sent: KeyedJaggedTensor) -> int:
         per_key = torch.tensor(sent.length_per_key())
         first = sum(len(self.send[r]) for r in range(self.rank))
         own = slice(first, first + len(self.send[self.rank]))
         values_out = int(per_key.sum() - per_key[own].sum())
         value_bytes = sent.values().element_size() + (0 if sent.weights_or_none() is None else 4)
         lengths_out = (len(self.send_keys) - len(self.local_keys)) * sent.stride()
-        ids = values_out * value_bytes + lengths_out * sent.lengths().element_size()
+        return values_out * value_bytes + lengths_out * sent.lengths().element_size()
+
+    def _pooled_bytes(self, strides: list[int], pooled_local: torch.Tensor, train: bool) -> int:
         # Forward: the pooled rows of other ranks' bags; backward: the gradient of ours.
         row_bytes = pooled_local.shape[1] * pooled_local.element_size()
         pooled = (sum(strides) - strides[self.rank]) * row_bytes
         if train:
             own_dim = self.block_starts[self.rank + 1] - self.block_starts[self.rank]
             pooled += strides[self.rank] * (self.block_starts[-1] - own_dim) * pooled_local.element_size()
-        self.bytes_sent += ids + pooled
+        return pooled
+
+    # -- working-set prefetch ----------------------------------------------------------------
+
+    def register_upcoming(self, features: KeyedJaggedTensor, batch: int) -> list[Callable[[], None]]:
+        """Collective: the ids of upcoming ``batch`` travel to their owners ahead of time,
+        and each owner notes them and reads its missing rows from SSD in the background,
+        so the batch's own lookup finds them in memory."""
+        _, _, local_in, _ = self._exchange_ids(features)
+        # The batch's forward exchanges its ids again and gets new tensors: no dedup to reuse.
+        return self.local.register_upcoming(local_in, batch, reuse_dedup=False)
+
+    def release_upcoming(self, batch: int) -> None:
+        self.local.release_upcoming(batch)
+
+    def stop_prefetch(self) -> None:
+        self.local.stop_prefetch()
 
     def bucketize(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The KJT with each feature's ids split by owner: keys ordered by destination rank."""

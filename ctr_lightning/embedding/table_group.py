@@ -251,15 +251,21 @@ class TableGroup:
     def _ssd_tokens(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return self.ssd.locate(tables, ids)[1]
 
-    def register(self, tables: np.ndarray, ids: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    def register(self, tables: np.ndarray, ids: np.ndarray, batch: int,
+                 reuse_dedup: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Note that upcoming ``batch`` needs these rows: those in memory are spared from
         eviction until it has run. Returns the rows to read ahead: in neither memory tier.
+        With ``reuse_dedup`` the lookup of these same ``ids`` arrays reuses the dedup.
 
         Training thread only; batches are registered in increasing order.
         """
         if self.current_batch is None:
             self.current_batch = batch
-        first, _ = self.dedup_ahead(ids, tables)
+        if reuse_dedup:
+            first, _ = self.dedup_ahead(ids, tables)
+        else:
+            self.validate(tables, ids)
+            first, _ = dedup(ids, tables)
         tables, ids = tables[first], ids[first]
         slots = self.device_tier.lookup(tables, ids)
         present = slots >= 0

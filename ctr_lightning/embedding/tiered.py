@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import functools
 import os
 
 import numpy as np
@@ -220,28 +219,19 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def register_upcoming(self, features: KeyedJaggedTensor, batch: int) -> list[Callable[[], None]]:
         """Note the rows upcoming ``batch`` (numbered in increasing order) will touch, and
-        return the reads that bring in those on SSD: callables for a background thread."""
-        engine = self._built()
-        if isinstance(engine, (ShardedTables, ReplicatedTables)):
-            raise NotImplementedError(
-                "working-set prefetch reads this rank's own batches, but a sharded collection's rows are "
-                "owned by other ranks; sharded collections fetch on demand")
-        reads = []
-        for group, (ids, tables, _, _) in zip(engine.groups, engine.split(features)):
-            missing_tables, missing_ids = group.register(tables, ids, batch)
-            if len(missing_ids):
-                reads.append(functools.partial(group.stage, missing_tables, missing_ids, batch))
-        return reads
+        return the reads that bring in those on SSD: callables for a background thread.
+
+        When sharded this is collective (the ids travel to their owners, who note and
+        read their rows), so every rank registers its batches in the same order.
+        """
+        return self._built().register_upcoming(features, batch)
 
     def release_upcoming(self, batch: int) -> None:
         """``batch`` has run: forget what was read ahead for it."""
-        engine = self._built()
-        for group in getattr(engine, "groups", []):
-            group.release(batch)
+        self._built().release_upcoming(batch)
 
     def stop_prefetch(self) -> None:
-        for group in getattr(self._built(), "groups", []):
-            group.stop_prefetch()
+        self._built().stop_prefetch()
 
     # -- checkpoints ---------------------------------------------------------------------
 
