@@ -2,7 +2,8 @@
 
 Two CPU processes (one "node" each, mode="all") train the DLRM on the synthetic demo
 data and, where ../shared/data is present, on the real Criteo sample; k=1 is
-synchronous data parallel training. Prints one table per dataset with AUC - AUC(k=1).
+synchronous data parallel training. Prints one table per dataset with AUC - AUC(k=1),
+after every epoch, averaged over seeds and paired by seed (+- one standard error).
 
     python benchmarks/kstep_convergence.py [--train-rows 200000 --epochs 1]
 """
@@ -18,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT.parent / "shared" / "data" / "criteo_kaggle_sample"
 
@@ -28,30 +31,37 @@ from ctr_lightning.datamodules import CriteoDataModule
 from ctr_lightning.models import DLRMModule
 from ctr_lightning.strategies import KStepAdamStrategy
 
-k, train, val, epochs, batch = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
-pl.seed_everything(0)
+k, train, val, epochs, batch, seed = (int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]),
+                                      int(sys.argv[6]))
+pl.seed_everything(seed)
 dm = CriteoDataModule(train_paths=[train], val_paths=[val], batch_size=batch)
 model = DLRMModule(embedding_dim=16, num_embeddings=100_000, dense_arch_layer_sizes=[64],
-                   over_arch_layer_sizes=[128, 64, 1], learning_rate=1e-3, sparse_learning_rate=0.01)
+                   over_arch_layer_sizes=[128, 64, 1], learning_rate=1e-3, sparse_learning_rate=0.01, seed=seed)
+aucs = []
+
+class EpochAuc(pl.Callback):
+    def on_validation_epoch_end(self, trainer, module):
+        aucs.append(float(trainer.callback_metrics["val/auc"]))
+
 trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=KStepAdamStrategy(k=k, mode="all"),
                      max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, num_sanity_val_steps=0)
+                     enable_model_summary=False, num_sanity_val_steps=0, callbacks=[EpochAuc()])
 trainer.fit(model, datamodule=dm)
-print("RESULT " + json.dumps({"auc": float(trainer.callback_metrics["val/auc"]), "steps": trainer.global_step}))
+print("RESULT " + json.dumps({"aucs": aucs, "steps": trainer.global_step}))
 import torch.distributed as _dist
 if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
     _dist.destroy_process_group()
 """
 
 
-def fit(k: int, train: Path, val: Path, epochs: int, batch: int) -> dict:
+def fit(k: int, train: Path, val: Path, epochs: int, batch: int, seed: int = 0) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_RANK="0",
                PYTHONWARNINGS="ignore")
     procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(k), str(train), str(val), str(epochs),
-                               str(batch)], env=dict(env, NODE_RANK=str(r)), stdout=subprocess.PIPE,
+                               str(batch), str(seed)], env=dict(env, NODE_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=3600) for p in procs]
     line = next((l for l in outs[0][0].splitlines() if l.startswith("RESULT ")), None)
@@ -60,14 +70,28 @@ def fit(k: int, train: Path, val: Path, epochs: int, batch: int) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
-def table(name: str, train: Path, val: Path, epochs: int, batch: int) -> None:
-    print(f"\n{name}: 2 ranks x batch {batch}, {epochs} epoch(s)")
-    print(f"{'k':>4}{'steps':>8}{'val AUC':>10}{'- AUC(k=1)':>12}")
-    base = None
-    for k in (1, 4, 16, 64):
-        r = fit(k, train, val, epochs, batch)
-        base = r["auc"] if base is None else base
-        print(f"{k:>4}{r['steps']:>8}{r['auc']:>10.4f}{r['auc'] - base:>+12.4f}", flush=True)
+def table(name: str, train: Path, val: Path, epochs: int, batch: int, seeds: int) -> None:
+    """AUC after each epoch per k, averaged over ``seeds`` seeds (initial weights), and the
+    difference to k=1 paired by seed: on a small validation set the seed alone moves AUC
+    by more than the effect being measured, and pairing removes most of that."""
+    print(f"\n{name}: 2 ranks x batch {batch}, {epochs} epoch(s), {seeds} seed(s)")
+    aucs: dict[int, list[list[float]]] = {k: [] for k in (1, 4, 16, 64)}
+    steps = 0
+    for seed in range(seeds):
+        for k in aucs:
+            r = fit(k, train, val, epochs, batch, seed)
+            aucs[k].append(r["aucs"])
+            steps = r["steps"] // epochs
+    base = np.array(aucs[1])  # [seed, epoch]
+    print(f"{'epoch':>6}{'steps':>7}{'AUC(k=1)':>10}" + "".join(f"{f'k={k} - k=1':>18}" for k in (4, 16, 64)))
+    for e in range(epochs):
+        cells = []
+        for k in (4, 16, 64):
+            diff = np.array(aucs[k])[:, e] - base[:, e]
+            error = diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else 0.0
+            cells.append(f"{diff.mean():+.4f} +- {error:.4f}")
+        print(f"{e + 1:>6}{(e + 1) * steps:>7}{base[:, e].mean():>10.4f}" + "".join(f"{c:>18}" for c in cells),
+              flush=True)
 
 
 def main() -> None:
@@ -75,16 +99,18 @@ def main() -> None:
     parser.add_argument("--train-rows", type=int, default=200_000)
     parser.add_argument("--val-rows", type=int, default=50_000)
     parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--seeds", type=int, default=1, help="seeds on the synthetic data")
+    parser.add_argument("--sample-seeds", type=int, default=5, help="seeds on the real sample")
     args = parser.parse_args()
     from ctr_lightning.datamodules import write_synthetic_criteo
 
     with tempfile.TemporaryDirectory() as tmp:
         train = write_synthetic_criteo(Path(tmp) / "train.tsv", rows=args.train_rows, seed=0)
         val = write_synthetic_criteo(Path(tmp) / "val.tsv", rows=args.val_rows, seed=0, stream=1)
-        table(f"synthetic demo data ({args.train_rows:,} train rows)", train, val, args.epochs, 512)
+        table(f"synthetic demo data ({args.train_rows:,} train rows)", train, val, args.epochs, 512, args.seeds)
     if (SAMPLE / "train_random4584.tsv").is_file():
         table("real Criteo sample (train_random4584 -> train_head1999)", SAMPLE / "train_random4584.tsv",
-              SAMPLE / "train_head1999.tsv", 8, 128)
+              SAMPLE / "train_head1999.tsv", 8, 128, args.sample_seeds)
 
 
 if __name__ == "__main__":
