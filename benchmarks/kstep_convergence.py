@@ -3,7 +3,8 @@
 Two CPU processes (one "node" each, mode="all") train the DLRM on the synthetic demo
 data and, where ../shared/data is present, on the real Criteo sample; k=1 is
 synchronous data parallel training. Prints one table per dataset with AUC - AUC(k=1),
-after every epoch, averaged over seeds and paired by seed (+- one standard error).
+after every epoch, averaged over seeds and paired by seed (+- one standard error); "16o" is k=16 with
+overlap=True (each merge applied k steps late).
 
     python benchmarks/kstep_convergence.py [--train-rows 200000 --epochs 1]
 """
@@ -33,6 +34,7 @@ from ctr_lightning.strategies import KStepAdamStrategy
 
 k, train, val, epochs, batch, seed = (int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]),
                                       int(sys.argv[6]))
+overlap = sys.argv[7] == "1"
 pl.seed_everything(seed)
 dm = CriteoDataModule(train_paths=[train], val_paths=[val], batch_size=batch)
 model = DLRMModule(embedding_dim=16, num_embeddings=100_000, dense_arch_layer_sizes=[64],
@@ -43,7 +45,7 @@ class EpochAuc(pl.Callback):
     def on_validation_epoch_end(self, trainer, module):
         aucs.append(float(trainer.callback_metrics["val/auc"]))
 
-trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=KStepAdamStrategy(k=k, mode="all"),
+trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=KStepAdamStrategy(k=k, mode="all", overlap=overlap),
                      max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, num_sanity_val_steps=0, callbacks=[EpochAuc()])
 trainer.fit(model, datamodule=dm)
@@ -54,14 +56,14 @@ if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-tim
 """
 
 
-def fit(k: int, train: Path, val: Path, epochs: int, batch: int, seed: int = 0) -> dict:
+def fit(k: int, train: Path, val: Path, epochs: int, batch: int, seed: int = 0, overlap: bool = False) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_RANK="0",
                PYTHONWARNINGS="ignore")
     procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(k), str(train), str(val), str(epochs),
-                               str(batch), str(seed)], env=dict(env, NODE_RANK=str(r)), stdout=subprocess.PIPE,
+                               str(batch), str(seed), str(int(overlap))], env=dict(env, NODE_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=3600) for p in procs]
     line = next((l for l in outs[0][0].splitlines() if l.startswith("RESULT ")), None)
@@ -75,19 +77,22 @@ def table(name: str, train: Path, val: Path, epochs: int, batch: int, seeds: int
     difference to k=1 paired by seed: on a small validation set the seed alone moves AUC
     by more than the effect being measured, and pairing removes most of that."""
     print(f"\n{name}: 2 ranks x batch {batch}, {epochs} epoch(s), {seeds} seed(s)")
-    aucs: dict[int, list[list[float]]] = {k: [] for k in (1, 4, 16, 64)}
+    # (k, overlap): "16o" is k=16 with merges overlapped with training.
+    configs = [(1, False), (4, False), (16, False), (64, False), (16, True)]
+    aucs: dict[tuple[int, bool], list[list[float]]] = {c: [] for c in configs}
     steps = 0
     for seed in range(seeds):
-        for k in aucs:
-            r = fit(k, train, val, epochs, batch, seed)
-            aucs[k].append(r["aucs"])
+        for k, overlap in configs:
+            r = fit(k, train, val, epochs, batch, seed, overlap)
+            aucs[(k, overlap)].append(r["aucs"])
             steps = r["steps"] // epochs
-    base = np.array(aucs[1])  # [seed, epoch]
-    print(f"{'epoch':>6}{'steps':>7}{'AUC(k=1)':>10}" + "".join(f"{f'k={k} - k=1':>18}" for k in (4, 16, 64)))
+    base = np.array(aucs[(1, False)])  # [seed, epoch]
+    labels = {c: f"k={c[0]}{'o' if c[1] else ''} - k=1" for c in configs[1:]}
+    print(f"{'epoch':>6}{'steps':>7}{'AUC(k=1)':>10}" + "".join(f"{labels[c]:>18}" for c in configs[1:]))
     for e in range(epochs):
         cells = []
-        for k in (4, 16, 64):
-            diff = np.array(aucs[k])[:, e] - base[:, e]
+        for c in configs[1:]:
+            diff = np.array(aucs[c])[:, e] - base[:, e]
             error = diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else 0.0
             cells.append(f"{diff.mean():+.4f} +- {error:.4f}")
         print(f"{e + 1:>6}{(e + 1) * steps:>7}{base[:, e].mean():>10.4f}" + "".join(f"{c:>18}" for c in cells),

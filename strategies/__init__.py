@@ -2,5 +2,6 @@
 
 from ctr_lightning.strategies.kstep_adam import KStepAdamStrategy
 from ctr_lightning.strategies.node_layout import NodeLayout
+from ctr_lightning.strategies.overlapped_merge import OverlappedMerge
 
-__all__ = ["KStepAdamStrategy", "NodeLayout"]
+__all__ = ["KStepAdamStrategy", "NodeLayout", "OverlappedMerge"]

@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from ctr_lightning.strategies.hierarchical_average import HierarchicalAverage
 from ctr_lightning.strategies.node_layout import NodeLayout
+from ctr_lightning.strategies.overlapped_merge import OverlappedMerge
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,13 @@ class KStepAdamStrategy(DDPStrategy):
     parallel training: gradients are averaged over all ranks before every step, as DDP
     does. The first ``warmup_steps`` steps are synchronous too.
 
+    With ``overlap=True`` a merge no longer stops training: each rank snapshots its model
+    and the average of the snapshots travels in a background thread during the next
+    ``k`` steps; at the next merge every rank adds ``average - snapshot`` to its model
+    (:class:`OverlappedMerge`). The merged model arrives ``k`` steps late, so ranks carry
+    their last ``k`` local steps on top of it; the pending merge is applied at the end of
+    training.
+
     The node layout is ``local_world_size`` ranks per node (default: the launcher's
     ``LOCAL_WORLD_SIZE``, else Lightning's devices per node). Logged every step: bytes
     sent inside and across nodes (``kstep/intra_node_bytes``, ``kstep/inter_node_bytes``,
@@ -64,6 +72,7 @@ class KStepAdamStrategy(DDPStrategy):
         warmup_steps: int = 0,
         local_world_size: int | None = None,
         bucket_bytes: int = 25 << 20,
+        overlap: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -80,6 +89,8 @@ class KStepAdamStrategy(DDPStrategy):
         self.merge_optimizer_state = merge_optimizer_state
         self.warmup_steps = warmup_steps
         self.bucket_bytes = bucket_bytes
+        self.overlap = overlap
+        self.overlapped: OverlappedMerge | None = None
         self._local_world_size = local_world_size
         self.layout: NodeLayout | None = None
         self.average: HierarchicalAverage | None = None
@@ -111,10 +122,15 @@ class KStepAdamStrategy(DDPStrategy):
             self._check_optimizer(optimizer)
         intra, cross = self.layout.groups() if self.world_size > 1 else (None, None)
         self.average = HierarchicalAverage(self.layout, intra, cross, self.bucket_bytes)
+        if self.overlap and self.world_size > 1 and self.k > 1:
+            # Groups of its own: its collectives run in another thread, beside the per-step ones.
+            self.overlapped = OverlappedMerge(HierarchicalAverage(self.layout, *self.layout.groups(),
+                                                                  self.bucket_bytes))
         # Without DDP nobody else makes the replicas start equal.
         self._broadcast_start()
         rank_zero_info(f"KStepAdamStrategy: k={self.k}, mode={self.mode}, {self.layout.num_nodes} node(s) x "
-                       f"{self.layout.local_world_size} rank(s), warm-up {self.warmup_steps} synchronous steps")
+                       f"{self.layout.local_world_size} rank(s), warm-up {self.warmup_steps} synchronous steps"
+                       + (", merges overlapped with training" if self.overlapped else ""))
 
     def _check_optimizer(self, optimizer: Optimizer) -> None:
         inner = getattr(optimizer, "_optimizer", optimizer)
@@ -151,7 +167,7 @@ class KStepAdamStrategy(DDPStrategy):
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        before = (self.average.bytes.intra_node, self.average.bytes.inter_node) if self.average else (0, 0)
+        before = self.comm_bytes()
         synchronous = self._synchronous()
 
         def closure_then_average() -> Any:
@@ -169,24 +185,40 @@ class KStepAdamStrategy(DDPStrategy):
         local_steps = self.optimizer_steps - self.warmup_steps
         metrics: dict[str, float] = {}
         if not synchronous and local_steps > 0 and local_steps % self.k == 0 and self.world_size > 1:
-            metrics.update(self.merge(optimizer))
+            metrics.update(self.merge_overlapped(optimizer) if self.overlapped else self.merge(optimizer))
         if self.average is not None:
-            metrics["kstep/intra_node_bytes"] = float(self.average.bytes.intra_node - before[0])
-            metrics["kstep/inter_node_bytes"] = float(self.average.bytes.inter_node - before[1])
+            after = self.comm_bytes()  # an overlapped merge's bytes count where they are sent
+            metrics["kstep/intra_node_bytes"] = float(after[0] - before[0])
+            metrics["kstep/inter_node_bytes"] = float(after[1] - before[1])
         self._log(metrics)
         return output
 
-    def merge(self, optimizer: Optimizer) -> dict[str, float]:
-        """Average parameters (and Adam's moments) over all ranks; returns merge metrics."""
-        start = time.perf_counter()
+    def comm_bytes(self) -> tuple[int, int]:
+        """Bytes this rank has sent so far ``(inside its node, to other nodes)``, merges in
+        flight included."""
+        averages = [a for a in (self.average, self.overlapped and self.overlapped.average) if a is not None]
+        return (sum(a.bytes.intra_node for a in averages), sum(a.bytes.inter_node for a in averages))
+
+    def _merged_tensors(self, optimizer: Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor], list[bool]]:
+        """``(parameters, everything a merge averages, which of those are exp_avg_sq)``."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        local = torch.cat([p.detach().reshape(-1) for p in params]).clone()
         tensors = [p.data for p in params] + [b for b in self.lightning_module.buffers() if b.is_floating_point()]
+        squares = [False] * len(tensors)
         if self.merge_optimizer_state:
             inner = getattr(optimizer, "_optimizer", optimizer)
             for p in params:
                 state = inner.state.get(p, {})
-                tensors += [state[name] for name in _ADAM_STATE if name in state]
+                for name in _ADAM_STATE:
+                    if name in state:
+                        tensors.append(state[name])
+                        squares.append(name == "exp_avg_sq")
+        return params, tensors, squares
+
+    def merge(self, optimizer: Optimizer) -> dict[str, float]:
+        """Average parameters (and Adam's moments) over all ranks; returns merge metrics."""
+        start = time.perf_counter()
+        params, tensors, _ = self._merged_tensors(optimizer)
+        local = torch.cat([p.detach().reshape(-1) for p in params]).clone()
         self.average(tensors)
         merged = torch.cat([p.detach().reshape(-1) for p in params])
         divergence = torch.tensor([float((local - merged).norm() / merged.norm().clamp_min(1e-12))])
@@ -194,6 +226,36 @@ class KStepAdamStrategy(DDPStrategy):
         self.last_divergence = float(divergence) / self.world_size
         self.merges += 1
         return {"kstep/merge_ms": (time.perf_counter() - start) * 1000.0, "kstep/divergence": self.last_divergence}
+
+    def merge_overlapped(self, optimizer: Optimizer) -> dict[str, float]:
+        """Apply the merge in flight, then start the next one; ``kstep/merge_ms`` is the
+        time training stood still for it (waiting, correcting, snapshotting)."""
+        start = time.perf_counter()
+        metrics = self._apply_overlapped()
+        params, tensors, squares = self._merged_tensors(optimizer)
+        self.overlapped.launch(tensors, len(params), squares)
+        metrics["kstep/merge_ms"] = (time.perf_counter() - start) * 1000.0
+        return metrics
+
+    def _apply_overlapped(self) -> dict[str, float]:
+        applied = self.overlapped.apply() if self.overlapped is not None else None
+        if applied is None:
+            return {}
+        self.last_divergence, waited = applied
+        self.merges += 1
+        return {"kstep/divergence": self.last_divergence, "kstep/merge_wait_ms": waited}
+
+    @override
+    def on_train_end(self) -> None:
+        # The last merge's average is in by the end of fit: every rank gets its correction.
+        self._log(self._apply_overlapped())
+        super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        if self.overlapped is not None:
+            self.overlapped.close()  # kept: its byte counts stay readable after fit
+        super().teardown()
 
     def _log(self, metrics: dict[str, float]) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None

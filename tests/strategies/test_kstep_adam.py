@@ -30,11 +30,17 @@ class MLP(pl.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.05)
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
-history = []
+history, stepped = [], []
+
+def flat(module):
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
 
 class Record(pl.Callback):
+    def on_train_start(self, trainer, module):
+        # Right after each optimizer step, before the strategy merges or corrects.
+        trainer.optimizers[0].register_step_post_hook(lambda *args: stepped.append(flat(module)))
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
-        history.append(torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone())
+        history.append(flat(module))
 
 pl.seed_everything(rank)  # different starting points: the strategy must make them equal
 g = torch.Generator().manual_seed(0)
@@ -53,7 +59,8 @@ except ValueError as e:
     sys.exit(0)
 opt = trainer.optimizers[0]
 state = [opt.state[p] for p in trainer.lightning_module.parameters()]
-torch.save({"history": history, "exp_avg": [s.get("exp_avg") for s in state]},
+torch.save({"history": history, "stepped": stepped, "final": flat(trainer.lightning_module),
+            "exp_avg": [s.get("exp_avg") for s in state]},
            os.path.join(out_dir, f"{kind}_{rank}.pt"))
 result = {"rank": rank}
 if kind != "ddp":
@@ -100,6 +107,32 @@ def test_k4_ranks_diverge_between_merges_and_agree_after(tmp_path, run_ranks):
         assert not torch.equal(x, y)  # steps 11-12 ran locally
     assert [r["merges"] for r in results] == [2, 2] and results[0]["divergence"] > 0
     assert results[0]["inter"] == 0  # one node: everything stays inside it
+
+
+@pytest.mark.slow
+def test_overlapped_merges_correct_each_rank_by_the_average_of_a_snapshot(tmp_path, run_ranks):
+    results = _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", overlap=True)
+    runs = [_history(tmp_path, "kstep", r) for r in range(2)]
+    # Merges start after steps 4, 8 and 12 (snapshots of the models then) and are applied
+    # after steps 8 and 12 and at the end of fit: x += mean(snapshot) - own snapshot.
+    for start, applied in ((3, 7), (7, 11)):
+        mean = (runs[0]["history"][start] + runs[1]["history"][start]) / 2
+        for run in runs:
+            want = run["stepped"][applied] + (mean - run["history"][start])
+            torch.testing.assert_close(run["history"][applied], want, atol=1e-6, rtol=0)
+    for step in range(12):  # between, ranks keep their own steps: never equal
+        assert not torch.equal(runs[0]["history"][step], runs[1]["history"][step]), step
+        if step not in (7, 11):
+            assert torch.equal(runs[0]["history"][step], runs[0]["stepped"][step])  # no correction
+    # The last snapshot was taken after the last step, so its correction makes the ranks equal.
+    final = (runs[0]["history"][11] + runs[1]["history"][11]) / 2
+    for run in runs:
+        torch.testing.assert_close(run["final"], final, atol=1e-6, rtol=0)
+    assert [r["merges"] for r in results] == [3, 3] and results[0]["divergence"] > 0
+    # The same run without overlap merges the models themselves after steps 4 and 8.
+    _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all")
+    plain = [_history(tmp_path, "kstep", r) for r in range(2)]
+    assert torch.equal(plain[0]["history"][3], plain[1]["history"][3])
 
 
 @pytest.mark.slow
