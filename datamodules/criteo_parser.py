@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from ctr_lightning.datamodules.field_decoders import _LOG1P, _MASK63, MISSING_VALUE, hex8
+from ctr_lightning.datamodules.field_decoders import _MASK63, MISSING_VALUE, count_value, hex8
 from ctr_lightning.hashing import feature_salt, splitmix64_one
 
 NUM_DENSE, NUM_SPARSE = 13, 26
@@ -94,29 +94,9 @@ def parse_lines(data, pos, stop, salts, negative_is_bad, labels, dense, ids, bad
                     labels[k] = 0.0
                     first_bad = 0
             elif field <= NUM_DENSE:
-                out = np.float32(0.0)
-                if fe > i:
-                    s = i
-                    negative = data[s] == 45  # '-'
-                    if negative or data[s] == 43:  # '+'
-                        s += 1
-                    bad = s == fe or fe - s > 18
-                    value = np.int64(0)
-                    if not bad:
-                        for j in range(s, fe):
-                            c = data[j]
-                            if c < 48 or c > 57:
-                                bad = True
-                                break
-                            value = value * 10 + np.int64(c - 48)
-                    if negative and negative_is_bad and value > 0:
-                        bad = True
-                    if bad:
-                        if first_bad < 0:
-                            first_bad = field
-                    elif not negative and value > 0:
-                        out = _LOG1P[value] if value < len(_LOG1P) else np.float32(np.log1p(np.float64(value)))
-                dense[k, field - 1] = out
+                dense[k, field - 1], bad = count_value(data, i, fe, negative_is_bad)
+                if bad and first_bad < 0:
+                    first_bad = field
             elif field < NUM_FIELDS:
                 value = MISSING_VALUE
                 if fe - i == 8:

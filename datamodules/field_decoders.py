@@ -55,32 +55,28 @@ def decode_labels(offsets, data, out, bad) -> None:
 _LOG1P = np.log1p(np.arange(1 << 14, dtype=np.float64)).astype(np.float32)
 
 
-@numba.njit(cache=True)
-def decode_counts(offsets, data, out, bad, negative_is_bad) -> None:
-    """Integer counts to ``log(1 + max(x, 0))``; empty is missing (0); non-integers are bad,
-    and so are negative values when ``negative_is_bad``."""
-    for i in range(len(out)):
-        start, end = offsets[i], offsets[i + 1]
-        out[i] = 0.0
-        if start == end:
-            continue
-        negative = data[start] == 45  # '-'
-        if negative or data[start] == 43:  # '+'
-            start += 1
-        if start == end or end - start > 18:
-            bad[i] = True
-            continue
-        value = np.int64(0)
-        for j in range(start, end):
-            c = data[j]
-            if c < 48 or c > 57:
-                bad[i] = True
-                break
-            value = value * 10 + np.int64(c - 48)
-        if negative and negative_is_bad and value > 0:
-            bad[i] = True
-        if not bad[i] and not negative and value > 0:
-            out[i] = _LOG1P[value] if value < len(_LOG1P) else np.float32(np.log1p(np.float64(value)))
+@numba.njit(cache=True, nogil=True, inline="always")
+def count_value(data, start, end, negative_is_bad):
+    """``(log(1 + max(x, 0)), bad)`` of the integer count in ``data[start:end]``; empty is
+    missing (0); non-integers are bad, and so are negative values when ``negative_is_bad``."""
+    if start == end:
+        return np.float32(0.0), False
+    negative = data[start] == 45  # '-'
+    if negative or data[start] == 43:  # '+'
+        start += 1
+    if start == end or end - start > 18:
+        return np.float32(0.0), True
+    value = np.int64(0)
+    for j in range(start, end):
+        c = data[j]
+        if c < 48 or c > 57:
+            return np.float32(0.0), True
+        value = value * 10 + np.int64(c - 48)
+    if negative:
+        return np.float32(0.0), negative_is_bad and value > 0
+    if value == 0:
+        return np.float32(0.0), False
+    return (_LOG1P[value] if value < len(_LOG1P) else np.float32(np.log1p(np.float64(value)))), False
 
 
 # 0-15 for hex digits, 255 for every other byte.
@@ -99,24 +95,6 @@ def hex8(data, i):
         seen |= nibble
         acc = (acc << np.uint64(4)) | np.uint64(nibble & np.uint8(15))
     return acc, seen <= 15
-
-
-@numba.njit(cache=True)
-def decode_hex_ids(offsets, data, salt, out, bad) -> None:
-    """8 hex digits to a 63-bit id hashed with the feature's salt; empty is missing; else bad."""
-    for i in range(len(out)):
-        start = offsets[i]
-        length = offsets[i + 1] - start
-        value = MISSING_VALUE
-        if length == 8:
-            hex_value, ok = hex8(data, start)
-            if ok:
-                value = hex_value
-            else:
-                bad[i] = True
-        elif length != 0:
-            bad[i] = True
-        out[i] = np.int64(splitmix64_one(value ^ salt) & _MASK63)
 
 
 @numba.njit(cache=True)
@@ -142,5 +120,5 @@ def _hash_values(values, salt, out) -> None:
         out[i] = np.int64(splitmix64_one(np.uint64(values[i]) ^ salt) & _MASK63)
 
 
-__all__ = ["MISSING_VALUE", "column_buffers", "decode_counts", "decode_hex_ids", "decode_labels",
-           "feature_salt", "hash_bytes_ids", "hex8", "hash_values", "label_column"]
+__all__ = ["MISSING_VALUE", "column_buffers", "count_value", "decode_labels", "feature_salt", "hash_bytes_ids",
+           "hash_values", "hex8", "label_column"]

@@ -119,16 +119,15 @@ class ShardedTables:
     # -- one step --------------------------------------------------------------------------
 
     def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
-        features, sent, local_in, strides = self._exchange_ids(features)
+        features, local_in, strides = self._exchange_ids(features)
         pooled_local = self.local.forward(local_in, train)
         pooled = self.pooled_a2a(pooled_local, batch_size_per_rank=strides).wait()
         self.bytes_sent += self._pooled_bytes(strides, pooled_local, train)
         return self.assemble(pooled, features)
 
-    def _exchange_ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor,
-                                                                   KeyedJaggedTensor, list[int]]:
-        """Ids to their owners: ``(features aligned, sent, the ids this rank owns from all
-        ranks' batches, each rank's batch size)``."""
+    def _exchange_ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor, list[int]]:
+        """Ids to their owners: ``(features aligned, the ids this rank owns from all ranks'
+        batches, each rank's batch size)``."""
         features = align_features(features, self.feature_names, self.tables, self.owner)
         sent = self.bucketize(features)
         arriving = self.ids_a2a(sent).wait()
@@ -138,7 +137,7 @@ class ShardedTables:
         local_in = KeyedJaggedTensor(keys=self.local_keys, values=received.values(), lengths=received.lengths(),
                                      weights=received.weights_or_none(), stride=sum(strides))
         self.bytes_sent += self._id_bytes(sent)
-        return features, sent, local_in, strides
+        return features, local_in, strides
 
     def _id_bytes(self, sent: KeyedJaggedTensor) -> int:
         per_key = torch.tensor(sent.length_per_key())
@@ -164,7 +163,7 @@ class ShardedTables:
         """Collective: the ids of upcoming ``batch`` travel to their owners ahead of time,
         and each owner notes them and reads its missing rows from SSD in the background,
         so the batch's own lookup finds them in memory."""
-        _, _, local_in, _ = self._exchange_ids(features)
+        _, local_in, _ = self._exchange_ids(features)
         # The batch's forward exchanges its ids again and gets new tensors: no dedup to reuse.
         return self.local.register_upcoming(local_in, batch, reuse_dedup=False)
 

@@ -261,11 +261,7 @@ class TableGroup:
         """
         if self.current_batch is None:
             self.current_batch = batch
-        if reuse_dedup:
-            first, _ = self.dedup_ahead(ids, tables)
-        else:
-            self.validate(tables, ids)
-            first, _ = dedup(ids, tables)
+        first, _ = self.dedup_ahead(ids, tables) if reuse_dedup else self._dedup(ids, tables)
         tables, ids = tables[first], ids[first]
         slots = self.device_tier.lookup(tables, ids)
         present = slots >= 0
