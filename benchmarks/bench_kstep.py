@@ -86,6 +86,8 @@ def strategy(name: str):
         return KStepAdamStrategy(k=1, mode="all")
     if name == "k16":
         return KStepAdamStrategy(k=16, mode="all")
+    if name == "k16_fp32":
+        return KStepAdamStrategy(k=16, mode="all", moment_dtype="float32")
     if name == "k16_overlap":
         return KStepAdamStrategy(k=16, mode="all", overlap=True)
     if name == "ddp_avg16":
@@ -103,7 +105,7 @@ def strategy(name: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, choices=["k1", "k16", "k16_overlap", "ddp_avg16", "emb_step", "emb_k16"])
+    parser.add_argument("--config", required=True, choices=["k1", "k16", "k16_fp32", "k16_overlap", "ddp_avg16", "emb_step", "emb_k16"])
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()

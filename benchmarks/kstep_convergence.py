@@ -4,7 +4,8 @@ Two CPU processes (one "node" each, mode="all") train the DLRM on the synthetic 
 data and, where ../shared/data is present, on the real Criteo sample; k=1 is
 synchronous data parallel training. Prints one table per dataset with AUC - AUC(k=1),
 after every epoch, averaged over seeds and paired by seed (+- one standard error); "16o" is k=16 with
-overlap=True (each merge applied k steps late).
+overlap=True (each merge applied k steps late), "16f" k=16 with Adam's moments averaged
+in float32 rather than the default bfloat16.
 
     python benchmarks/kstep_convergence.py [--train-rows 200000 --epochs 1]
 """
@@ -34,7 +35,7 @@ from ctr_lightning.strategies import KStepAdamStrategy
 
 k, train, val, epochs, batch, seed = (int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]),
                                       int(sys.argv[6]))
-overlap = sys.argv[7] == "1"
+options = json.loads(sys.argv[7])
 pl.seed_everything(seed)
 dm = CriteoDataModule(train_paths=[train], val_paths=[val], batch_size=batch)
 model = DLRMModule(embedding_dim=16, num_embeddings=100_000, dense_arch_layer_sizes=[64],
@@ -45,7 +46,7 @@ class EpochAuc(pl.Callback):
     def on_validation_epoch_end(self, trainer, module):
         aucs.append(float(trainer.callback_metrics["val/auc"]))
 
-trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=KStepAdamStrategy(k=k, mode="all", overlap=overlap),
+trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=KStepAdamStrategy(k=k, mode="all", **options),
                      max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, num_sanity_val_steps=0, callbacks=[EpochAuc()])
 trainer.fit(model, datamodule=dm)
@@ -56,14 +57,14 @@ if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-tim
 """
 
 
-def fit(k: int, train: Path, val: Path, epochs: int, batch: int, seed: int = 0, overlap: bool = False) -> dict:
+def fit(k: int, train: Path, val: Path, epochs: int, batch: int, seed: int = 0, options: dict | None = None) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_RANK="0",
                PYTHONWARNINGS="ignore")
     procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(k), str(train), str(val), str(epochs),
-                               str(batch), str(seed), str(int(overlap))], env=dict(env, NODE_RANK=str(r)), stdout=subprocess.PIPE,
+                               str(batch), str(seed), json.dumps(options or {})], env=dict(env, NODE_RANK=str(r)), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=3600) for p in procs]
     line = next((l for l in outs[0][0].splitlines() if l.startswith("RESULT ")), None)
@@ -77,21 +78,22 @@ def table(name: str, train: Path, val: Path, epochs: int, batch: int, seeds: int
     difference to k=1 paired by seed: on a small validation set the seed alone moves AUC
     by more than the effect being measured, and pairing removes most of that."""
     print(f"\n{name}: 2 ranks x batch {batch}, {epochs} epoch(s), {seeds} seed(s)")
-    # (k, overlap): "16o" is k=16 with merges overlapped with training.
-    configs = [(1, False), (4, False), (16, False), (64, False), (16, True)]
-    aucs: dict[tuple[int, bool], list[list[float]]] = {c: [] for c in configs}
+    # label: (k, further KStepAdamStrategy arguments)
+    configs = {"1": (1, {}), "4": (4, {}), "16": (16, {}), "64": (64, {}), "16o": (16, {"overlap": True}),
+               "16f": (16, {"moment_dtype": "float32"})}
+    aucs: dict[str, list[list[float]]] = {c: [] for c in configs}
     steps = 0
     for seed in range(seeds):
-        for k, overlap in configs:
-            r = fit(k, train, val, epochs, batch, seed, overlap)
-            aucs[(k, overlap)].append(r["aucs"])
+        for label, (k, options) in configs.items():
+            r = fit(k, train, val, epochs, batch, seed, options)
+            aucs[label].append(r["aucs"])
             steps = r["steps"] // epochs
-    base = np.array(aucs[(1, False)])  # [seed, epoch]
-    labels = {c: f"k={c[0]}{'o' if c[1] else ''} - k=1" for c in configs[1:]}
-    print(f"{'epoch':>6}{'steps':>7}{'AUC(k=1)':>10}" + "".join(f"{labels[c]:>18}" for c in configs[1:]))
+    base = np.array(aucs["1"])  # [seed, epoch]
+    others = [c for c in configs if c != "1"]
+    print(f"{'epoch':>6}{'steps':>7}{'AUC(k=1)':>10}" + "".join(f"{f'k={c} - k=1':>18}" for c in others))
     for e in range(epochs):
         cells = []
-        for c in configs[1:]:
+        for c in others:
             diff = np.array(aucs[c])[:, e] - base[:, e]
             error = diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else 0.0
             cells.append(f"{diff.mean():+.4f} +- {error:.4f}")
@@ -105,7 +107,11 @@ def main() -> None:
     parser.add_argument("--val-rows", type=int, default=50_000)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--seeds", type=int, default=1, help="seeds on the synthetic data")
-    parser.add_argument("--sample-seeds", type=int, default=5, help="seeds on the real sample")
+    parser.add_argument("--sample-seeds", type=int, default=8, help="seeds on the real sample")
+    # 4.6k rows: a small batch gives k=64 two merges an epoch, as production runs merge many
+    # times before any example comes round again.
+    parser.add_argument("--sample-batch", type=int, default=16, help="batch per rank on the real sample")
+    parser.add_argument("--sample-epochs", type=int, default=3)
     args = parser.parse_args()
     from ctr_lightning.datamodules import write_synthetic_criteo
 
@@ -115,7 +121,7 @@ def main() -> None:
         table(f"synthetic demo data ({args.train_rows:,} train rows)", train, val, args.epochs, 512, args.seeds)
     if (SAMPLE / "train_random4584.tsv").is_file():
         table("real Criteo sample (train_random4584 -> train_head1999)", SAMPLE / "train_random4584.tsv",
-              SAMPLE / "train_head1999.tsv", 8, 128, args.sample_seeds)
+              SAMPLE / "train_head1999.tsv", args.sample_epochs, args.sample_batch, args.sample_seeds)
 
 
 if __name__ == "__main__":

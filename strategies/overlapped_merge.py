@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ctr_lightning.strategies.hierarchical_average import HierarchicalAverage
+from ctr_lightning.strategies.merged_tensors import MergedTensors
 
 
 @dataclass
@@ -36,7 +37,7 @@ class OverlappedMerge:
 
         merge = OverlappedMerge(HierarchicalAverage(layout, *layout.groups()))
         merge.apply()                      # the previous merge's correction, if any
-        merge.launch(tensors, num_params=len(params), nonnegative=flags)
+        merge.launch(MergedTensors(params, exact, moments, squares, torch.bfloat16))
     """
 
     def __init__(self, average: HierarchicalAverage) -> None:
@@ -48,19 +49,19 @@ class OverlappedMerge:
     def pending(self) -> bool:
         return self._pending is not None
 
-    def launch(self, tensors: list[torch.Tensor], num_params: int, nonnegative: list[bool]) -> None:
-        """Start averaging the current values of ``tensors``; the first ``num_params`` are
-        the parameters, whose spread is reported as the divergence."""
+    def launch(self, merged: MergedTensors) -> None:
+        """Start averaging the current values of ``merged``'s tensors."""
         if self._pending is not None:
             raise RuntimeError("OverlappedMerge.launch: apply the previous merge first")
+        tensors = merged.tensors
         snapshot = [t.detach().clone() for t in tensors]
         averaged = [s.clone() for s in snapshot]
-        done = self._executor.submit(self._average, averaged, snapshot[:num_params], num_params)
-        self._pending = _Pending(list(tensors), snapshot, averaged, list(nonnegative), done)
+        done = self._executor.submit(self._average, merged.with_tensors(averaged), snapshot[: len(merged.params)])
+        self._pending = _Pending(tensors, snapshot, averaged, merged.nonnegative, done)
 
-    def _average(self, averaged: list[torch.Tensor], local_params: list[torch.Tensor], num_params: int) -> float:
-        self.average(averaged)
-        merged = torch.cat([p.reshape(-1) for p in averaged[:num_params]])
+    def _average(self, averaged: MergedTensors, local_params: list[torch.Tensor]) -> float:
+        averaged.average_with(self.average)
+        merged = torch.cat([p.reshape(-1) for p in averaged.params])
         local = torch.cat([p.reshape(-1) for p in local_params])
         divergence = torch.tensor([float((local - merged).norm() / merged.norm().clamp_min(1e-12))])
         self.average([divergence])

@@ -25,22 +25,37 @@ class MLP(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.mse_loss(self.net(x).squeeze(-1), y)
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self.net(x).squeeze(-1), y), sync_dist=True)
     def configure_optimizers(self):
         if self.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.05)
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
-history, stepped = [], []
+history, stepped, moments, stepped_moments, validated = [], [], [], [], []
 
 def flat(module):
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
 
+def flat_moments(trainer):
+    state = trainer.optimizers[0].state
+    return torch.cat([torch.zeros(0)] + [state[p][name].reshape(-1) for p in trainer.lightning_module.parameters()
+                                         for name in ("exp_avg", "exp_avg_sq") if name in state.get(p, {})])
+
 class Record(pl.Callback):
     def on_train_start(self, trainer, module):
         # Right after each optimizer step, before the strategy merges or corrects.
-        trainer.optimizers[0].register_step_post_hook(lambda *args: stepped.append(flat(module)))
+        def after_step(*args):
+            stepped.append(flat(module))
+            stepped_moments.append(flat_moments(trainer))
+        trainer.optimizers[0].register_step_post_hook(after_step)
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         history.append(flat(module))
+        moments.append(flat_moments(trainer))
+    def on_validation_batch_start(self, trainer, module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0 and not trainer.sanity_checking:  # after the strategy's on_validation_start
+            validated.append((trainer.global_step, flat(module), flat_moments(trainer)))
 
 pl.seed_everything(rank)  # different starting points: the strategy must make them equal
 g = torch.Generator().manual_seed(0)
@@ -48,18 +63,22 @@ x = torch.randn(512, 8, generator=g)
 data = TensorDataset(x, x.sum(1) + 0.1 * torch.randn(512, generator=g))
 kind = config.pop("strategy")
 optimizer = config.pop("optimizer", "adam")
+val_check_interval = config.pop("val_check_interval", None)
 strategy = "ddp" if kind == "ddp" else KStepAdamStrategy(**config)
 trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")), strategy=strategy,
                      max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, callbacks=[Record()])
+                     enable_model_summary=False, callbacks=[Record()], val_check_interval=val_check_interval,
+                     limit_val_batches=2 if val_check_interval else 0)
 try:
-    trainer.fit(MLP(optimizer), DataLoader(data, batch_size=16))
+    trainer.fit(MLP(optimizer), DataLoader(data, batch_size=16),
+                DataLoader(data, batch_size=16) if val_check_interval else None)
 except ValueError as e:
     print("RESULT " + json.dumps({"error": str(e)}), flush=True)
     sys.exit(0)
 opt = trainer.optimizers[0]
 state = [opt.state[p] for p in trainer.lightning_module.parameters()]
-torch.save({"history": history, "stepped": stepped, "final": flat(trainer.lightning_module),
+torch.save({"history": history, "stepped": stepped, "moments": moments, "stepped_moments": stepped_moments,
+            "validated": validated, "final": flat(trainer.lightning_module),
             "exp_avg": [s.get("exp_avg") for s in state]},
            os.path.join(out_dir, f"{kind}_{rank}.pt"))
 result = {"rank": rank}
@@ -103,10 +122,53 @@ def test_k4_ranks_diverge_between_merges_and_agree_after(tmp_path, run_ranks):
     for step in range(12):
         same = torch.equal(a["history"][step], b["history"][step])
         assert same == (step in (0, 1, 5, 9)), step
+    # Steps 11-12 ran locally; fit ends by merging them, so it returns one model.
+    assert not torch.equal(a["history"][11], b["history"][11])
+    torch.testing.assert_close(a["final"], (a["stepped"][11] + b["stepped"][11]) / 2, atol=1e-7, rtol=0)
+    assert torch.equal(a["final"], b["final"])
     for x, y in zip(a["exp_avg"], b["exp_avg"]):
-        assert not torch.equal(x, y)  # steps 11-12 ran locally
-    assert [r["merges"] for r in results] == [2, 2] and results[0]["divergence"] > 0
+        assert torch.equal(x, y)
+    assert [r["merges"] for r in results] == [3, 3] and results[0]["divergence"] > 0
     assert results[0]["inter"] == 0  # one node: everything stays inside it
+
+
+@pytest.mark.slow
+def test_validation_sees_the_merged_model_and_the_schedule_goes_on(tmp_path, run_ranks):
+    results = _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", val_check_interval=6,
+                   moment_dtype="float32")
+    a, b = (_history(tmp_path, "kstep", r) for r in range(2))
+    # Merges after steps 4 and 8 (every k) and 12, and when validation starts after step 6.
+    assert [v[0] for v in a["validated"]] == [6, 12]
+    step6, model, moments = a["validated"][0]
+    assert not torch.equal(a["history"][5], b["history"][5])  # steps 5-6 ran locally
+    torch.testing.assert_close(model, (a["stepped"][5] + b["stepped"][5]) / 2, atol=1e-7, rtol=0)
+    torch.testing.assert_close(moments, (a["stepped_moments"][5] + b["stepped_moments"][5]) / 2, atol=1e-9, rtol=1e-7)
+    assert torch.equal(model, b["validated"][0][1]) and torch.equal(moments, b["validated"][0][2])
+    # Training goes on from the merged model, locally, until the merge after step 8.
+    assert not torch.equal(a["history"][6], b["history"][6])
+    assert torch.equal(a["history"][7], b["history"][7])
+    assert torch.equal(a["validated"][1][1], b["validated"][1][1])  # step 12 merged on schedule
+    assert [r["merges"] for r in results] == [4, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment_dtype", ["bfloat16", "float32"])
+def test_merges_average_parameters_exactly_and_moments_in_moment_dtype(tmp_path, run_ranks, moment_dtype):
+    _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", moment_dtype=moment_dtype)
+    a, b = (_history(tmp_path, "kstep", r) for r in range(2))
+    for step in (3, 7, 11):  # merges after steps 4, 8 and 12
+        torch.testing.assert_close(a["history"][step], (a["stepped"][step] + b["stepped"][step]) / 2,
+                                   atol=1e-7, rtol=0)
+        assert torch.equal(a["moments"][step], b["moments"][step])
+        mean = (a["stepped_moments"][step] + b["stepped_moments"][step]) / 2
+        if moment_dtype == "float32":
+            torch.testing.assert_close(a["moments"][step], mean, atol=1e-9, rtol=1e-7)
+        else:  # summed and divided in bfloat16: within its rounding, and not the float32 mean
+            want = ((a["stepped_moments"][step].bfloat16() + b["stepped_moments"][step].bfloat16()) / 2).float()
+            assert torch.equal(a["moments"][step], want)
+            scale = (a["stepped_moments"][step].abs() + b["stepped_moments"][step].abs()) / 2  # exp_avg may cancel
+            assert ((a["moments"][step] - mean).abs() <= 2 ** -7 * scale).all()
+            assert not torch.equal(a["moments"][step], mean)
 
 
 @pytest.mark.slow
@@ -143,10 +205,12 @@ def test_node_mode_on_two_simulated_nodes(tmp_path, run_ranks):
         assert torch.equal(h[0][step], h[1][step]) and torch.equal(h[2][step], h[3][step])  # a node moves as one
         assert torch.equal(h[0][step], h[2][step]) == (step in (3, 7, 11)), step  # nodes meet at merges
     # Per merge each rank sends across nodes a ring all-reduce of its half of the model
-    # (params + exp_avg + exp_avg_sq): 1/local_world_size of what a flat all-reduce would.
-    half = (3 * PARAMS + 1) // 2  # padded to a multiple of 2
-    flat_per_merge = 2 * (2 - 1) * 3 * PARAMS * 4 // 2
-    assert results[0]["inter"] == 3 * (2 * (2 - 1) * half * 4 // 2)
+    # (params in float32, exp_avg + exp_avg_sq in bfloat16): 1/local_world_size of what a
+    # flat all-reduce would.
+    half_params, half_moments = (PARAMS + 1) // 2, (2 * PARAMS + 1) // 2  # padded to a multiple of 2
+    per_merge = 2 * (2 - 1) * (half_params * 4 + half_moments * 2) // 2
+    flat_per_merge = 2 * (2 - 1) * (PARAMS * 4 + 2 * PARAMS * 2) // 2
+    assert results[0]["inter"] == 3 * per_merge
     assert results[0]["inter"] <= 3 * flat_per_merge / 2 + 3 * 4
     assert results[0]["intra"] > 0
 
@@ -168,6 +232,8 @@ def test_arguments_are_checked():
         KStepAdamStrategy(mode="ring")
     with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
         KStepAdamStrategy(warmup_steps=-1)
+    with pytest.raises(ValueError, match="moment_dtype must be one of .*float16 would flush"):
+        KStepAdamStrategy(moment_dtype="float16")
     with pytest.raises(ValueError, match="does not divide the world size 6"):
         NodeLayout.of(world_size=6, rank=0, local_world_size=4)
     layout = NodeLayout.of(world_size=4, rank=3, local_world_size=2)
