@@ -11,10 +11,10 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ctr_lightning.embedding.optimizers import SparseOptimizer
 from ctr_lightning.embedding.storage_config import StorageConfig
 from ctr_lightning.embedding.table_checks import align_features
 from ctr_lightning.embedding.table_group import TableGroup
+from ctr_lightning.embedding.table_setup import TableSetup
 
 
 def table_groups(tables: Sequence[EmbeddingBagConfig], storage: Mapping[str, StorageConfig],
@@ -35,41 +35,32 @@ class LocalTables:
 
     Example::
 
-        local = LocalTables(tables, {t.name: StorageConfig() for t in tables},
-                            {t.name: "hashed" for t in tables}, False, SparseAdam(), torch.device("cpu"), 0, "auto")
+        setup = TableSetup({t.name: StorageConfig() for t in tables}, {t.name: "hashed" for t in tables},
+                           False, SparseAdam(), torch.device("cpu"), 0, "auto")
+        local = LocalTables(tables, setup)
         pooled = local.forward(kjt, train=True)   # [batch, sum of dims], config feature order
     """
 
-    def __init__(
-        self,
-        tables: Sequence[EmbeddingBagConfig],
-        storage: Mapping[str, StorageConfig],
-        id_space: Mapping[str, str],
-        is_weighted: bool,
-        optimizer: SparseOptimizer,
-        device: torch.device,
-        seed: int,
-        kernel: str,
-        owner: str = "TieredEmbeddingBagCollection",
-    ) -> None:
+    def __init__(self, tables: Sequence[EmbeddingBagConfig], setup: TableSetup) -> None:
         self.tables = list(tables)
-        self.is_weighted = is_weighted
-        self.owner = owner
+        self.is_weighted = setup.is_weighted
+        self.owner = setup.owner
+        storage = setup.storage
         self.feature_names = [f for t in tables for f in t.feature_names]
         self.dims = [t.embedding_dim for t in tables for _ in t.feature_names]
         self.groups: list[TableGroup] = []
-        group_tables = table_groups(tables, storage, id_space)
+        group_tables = table_groups(tables, storage, setup.id_space)
         for g, members in enumerate(group_tables):
             members_tables = [tables[i] for i in members]
             self.groups.append(TableGroup(
                 name=f"group{g}_dim{members_tables[0].embedding_dim}",
                 tables=members_tables,
                 storage=[storage[t.name] for t in members_tables],
-                bounded_ids=[id_space[t.name] == "bounded" for t in members_tables],
-                optimizer=optimizer,
-                device=device,
-                seed=seed,
-                kernel=kernel,
+                bounded_ids=[setup.id_space[t.name] == "bounded" for t in members_tables],
+                optimizer=setup.optimizer,
+                device=setup.device,
+                seed=setup.seed,
+                kernel=setup.kernel,
             ))
         self.group_features = [[f for i in members for f in tables[i].feature_names] for members in group_tables]
         # Per group, the local table index of each of its features, in KJT order.

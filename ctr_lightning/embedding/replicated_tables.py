@@ -14,11 +14,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding.key_index import KeyIndex, dedup
 from ctr_lightning.embedding.local_tables import LocalTables
-from ctr_lightning.embedding.optimizers import SparseOptimizer
 from ctr_lightning.embedding.row_cache import Rows
-from ctr_lightning.embedding.sharded_tables import gather_tables, owners_rows, rank_storage
+from ctr_lightning.embedding.sharded_tables import gather_tables, owners_rows
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
-from ctr_lightning.embedding.storage_config import StorageConfig
+from ctr_lightning.embedding.table_setup import TableSetup
 
 
 class ReplicatedTables:
@@ -35,26 +34,12 @@ class ReplicatedTables:
 
     Example::
 
-        tables = ReplicatedTables(configs, storage, id_space, False, SparseAdam(), device, 0, "auto",
-                                  plan, group, sync_every=16)
+        tables = ReplicatedTables(configs, setup, plan, group, sync_every=16)   # setup: a TableSetup
         pooled = tables.forward(local_kjt, train=True)
     """
 
-    def __init__(
-        self,
-        tables: Sequence[EmbeddingBagConfig],
-        storage: Mapping[str, StorageConfig],
-        id_space: Mapping[str, str],
-        is_weighted: bool,
-        optimizer: SparseOptimizer,
-        device: torch.device,
-        seed: int,
-        kernel: str,
-        plan: Mapping[str, TableSharding],
-        group: dist.ProcessGroup,
-        sync_every: int,
-        owner: str = "TieredEmbeddingBagCollection",
-    ) -> None:
+    def __init__(self, tables: Sequence[EmbeddingBagConfig], setup: TableSetup, plan: Mapping[str, TableSharding],
+                 group: dist.ProcessGroup, sync_every: int) -> None:
         self.tables = list(tables)
         self.plan = dict(plan)
         self.group = group
@@ -62,11 +47,9 @@ class ReplicatedTables:
         self.rank = dist.get_rank(group)
         self.k = sync_every
         owned = [t for t in tables if plan[t.name].kind == "row_wise" or plan[t.name].owner == self.rank]
-        local_storage = {name: rank_storage(s, self.rank) for name, s in storage.items()}
-        self.shard = LocalTables(owned, local_storage, id_space, is_weighted, optimizer, device, seed, kernel, owner)
+        self.shard = LocalTables(owned, setup.for_rank(self.rank))
         # The replica holds one interval's working set, in memory.
-        self.replica = LocalTables(tables, {t.name: StorageConfig() for t in tables}, id_space, is_weighted,
-                                   optimizer, device, seed, kernel, owner)
+        self.replica = LocalTables(tables, setup.in_memory())
         index = {t.name: i for i, t in enumerate(tables)}
         self.replica_globals = [np.array([index[n] for n in g.names], dtype=np.int64) for g in self.replica.groups]
         self.is_row_wise = np.array([plan[t.name].kind == "row_wise" for t in tables])

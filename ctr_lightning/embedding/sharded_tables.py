@@ -4,7 +4,6 @@ embeddings travel back, through torchrec's all-to-all modules."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -15,10 +14,9 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding.local_tables import LocalTables
-from ctr_lightning.embedding.optimizers import SparseOptimizer
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
-from ctr_lightning.embedding.storage_config import StorageConfig
 from ctr_lightning.embedding.table_checks import align_features
+from ctr_lightning.embedding.table_setup import TableSetup
 
 
 class ShardedTables:
@@ -40,31 +38,19 @@ class ShardedTables:
     Example::
 
         plan = plan_sharding(tables, dist.get_world_size(), "row_wise")
-        sharded = ShardedTables(tables, storage, id_space, False, SparseAdam(), device, 0, "auto", plan, group)
+        sharded = ShardedTables(tables, setup, plan, group)   # setup: a TableSetup
         pooled = sharded.forward(local_kjt, train=True)   # [local batch, sum of dims]
     """
 
-    def __init__(
-        self,
-        tables: Sequence[EmbeddingBagConfig],
-        storage: Mapping[str, StorageConfig],
-        id_space: Mapping[str, str],
-        is_weighted: bool,
-        optimizer: SparseOptimizer,
-        device: torch.device,
-        seed: int,
-        kernel: str,
-        plan: Mapping[str, TableSharding],
-        group: dist.ProcessGroup,
-        owner: str = "TieredEmbeddingBagCollection",
-    ) -> None:
+    def __init__(self, tables: Sequence[EmbeddingBagConfig], setup: TableSetup, plan: Mapping[str, TableSharding],
+                 group: dist.ProcessGroup) -> None:
         self.tables = list(tables)
         self.plan = dict(plan)
         self.group = group
         self.world = group.size()
         self.rank = dist.get_rank(group)
-        self.owner = owner
-        self.is_weighted = is_weighted
+        self.owner = setup.owner
+        self.is_weighted = setup.is_weighted
         self.feature_names = [f for t in tables for f in t.feature_names]
         self.dims = [t.embedding_dim for t in tables for _ in t.feature_names]
         row_wise = [t for t in tables if plan[t.name].kind == "row_wise"]
@@ -72,9 +58,7 @@ class ShardedTables:
                    for r in range(self.world)]
         # Row-wise shards pool by sum; a mean is taken once all partial sums are in.
         local_tables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in row_wise] + on_rank[self.rank]
-        local_storage = {name: rank_storage(s, self.rank) for name, s in storage.items()}
-        self.local = LocalTables(local_tables, local_storage, id_space, is_weighted, optimizer, device, seed,
-                                 kernel, owner)
+        self.local = LocalTables(local_tables, setup.for_rank(self.rank))
         index = {f: i for i, f in enumerate(self.feature_names)}
         rw_features = [index[f] for t in row_wise for f in t.feature_names]
         # Keys sent to rank r, in the order r's LocalTables expects them.
@@ -232,15 +216,6 @@ class ShardedTables:
 
     def move_device_tier(self, device: torch.device) -> None:
         self.local.move_device_tier(device)
-
-
-def rank_storage(storage: StorageConfig, rank: int) -> StorageConfig:
-    # Ranks on one machine must not share SSD files.
-    if storage.ssd_dir is None:
-        return storage
-    return dataclasses.replace(storage, ssd_dir=os.path.join(storage.ssd_dir, f"rank{rank}"))
-
-
 
 
 def gather_tables(local: dict[str, dict[str, Any]], tables: Sequence[EmbeddingBagConfig], world: int,

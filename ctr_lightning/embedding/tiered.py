@@ -23,6 +23,7 @@ from ctr_lightning.embedding.storage_config import StorageConfig
 from ctr_lightning.embedding.sparse_update import state_width
 from ctr_lightning.embedding.table_checks import check_tables
 from ctr_lightning.embedding.table_group import TableGroup
+from ctr_lightning.embedding.table_setup import TableSetup
 
 
 class TieredEmbeddingBagCollection(nn.Module):
@@ -145,17 +146,16 @@ class TieredEmbeddingBagCollection(nn.Module):
         if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # Its own group, so the all-to-alls never interleave with DDP's all-reduces.
             group = dist.new_group()
-        args = (self._storage, self._id_space, self._is_weighted, self._optimizer, self._device, self._seed,
-                self._kernel)
+        setup = TableSetup(self._storage, self._id_space, self._is_weighted, self._optimizer, self._device,
+                           self._seed, self._kernel, owner=type(self).__name__)
         if group is not None and group.size() > 1:
             plan = plan_sharding(self._tables, group.size(), self._sharding)
             if self._sparse_sync == "k_step":
-                self._engine = ReplicatedTables(self._tables, *args, plan=plan, group=group,
-                                                sync_every=self._sync_every, owner=type(self).__name__)
+                self._engine = ReplicatedTables(self._tables, setup, plan, group, sync_every=self._sync_every)
             else:
-                self._engine = ShardedTables(self._tables, *args, plan=plan, group=group, owner=type(self).__name__)
+                self._engine = ShardedTables(self._tables, setup, plan, group)
         else:
-            self._engine = LocalTables(self._tables, *args, owner=type(self).__name__)
+            self._engine = LocalTables(self._tables, setup)
         return self._engine
 
     @property
