@@ -27,11 +27,16 @@ class StagedChunk:
 class StagedRows:
     """The hand-off between a prefetch thread and the training thread.
 
-    The prefetch thread only calls :meth:`put` (a deque append, safe across threads).
-    Everything else runs on the training thread: :meth:`take` serves rows whose SSD
-    copy is unchanged since they were read (a write-back or compaction in between
-    makes them stale, and they are dropped), and :meth:`release` forgets the chunks of
-    batches that have run.
+    The prefetch thread only calls :meth:`put` (a deque append, safe across threads),
+    one chunk per upcoming batch, in batch order. Everything else runs on the training
+    thread: :meth:`take` serves rows whose SSD copy is unchanged since they were read (a
+    write-back or compaction in between makes them stale, and they are dropped), and
+    :meth:`release` forgets the chunks of batches that have run.
+
+    Chunks live in one buffer in arrival order, indexed by (table, id); a later chunk's
+    copy of a row wins. Arrivals and releases touch only their own chunk's rows: the
+    buffer is compacted only when full, so staging costs O(rows staged), not O(rows held)
+    per batch.
 
     Example::
 
@@ -43,8 +48,10 @@ class StagedRows:
 
     def __init__(self) -> None:
         self._arrived: deque[StagedChunk] = deque()
-        self._chunks: list[StagedChunk] = []
-        self._index: KeyIndex | None = None  # (table, id) -> position in the concatenated chunks
+        self._chunks: deque[tuple[StagedChunk, int]] = deque()  # (chunk, position of its first row)
+        self._index = KeyIndex()  # (table, id) -> position of its newest staged copy
+        self._base = 0  # position of the buffers' first row; positions only grow
+        self._end = 0  # position after the last row
         self._tokens = np.empty(0, dtype=np.int64)
         self._rows = np.empty((0, 0), dtype=np.float32)
 
@@ -52,25 +59,40 @@ class StagedRows:
         self._arrived.append(chunk)
 
     def _absorb(self) -> None:
-        changed = False
         while self._arrived:
-            self._chunks.append(self._arrived.popleft())
-            changed = True
-        if changed or self._index is None:
-            self._rebuild()
+            chunk = self._arrived.popleft()
+            if self._chunks and chunk.batch < self._chunks[-1][0].batch:
+                # release() drops a prefix of the chunks: that needs them in batch order.
+                raise RuntimeError(f"StagedRows: rows for batch {chunk.batch} arrived after batch "
+                                   f"{self._chunks[-1][0].batch}'s; chunks must arrive in batch order")
+            n = len(chunk.ids)
+            self._reserve(n, chunk.rows.shape[1])
+            at = self._end - self._base
+            self._rows[at : at + n] = chunk.rows
+            self._tokens[at : at + n] = chunk.tokens
+            self._index.insert(chunk.ids, chunk.tables, np.arange(self._end, self._end + n, dtype=np.int64))
+            self._chunks.append((chunk, self._end))
+            self._end += n
 
-    def _rebuild(self) -> None:
-        self._index = KeyIndex()
-        if not self._chunks:
+    def _reserve(self, n: int, width: int) -> None:
+        """Room for ``n`` more rows at the end: drop released rows from the front, grow if
+        that is not enough."""
+        if self._end - self._base + n <= len(self._rows) and self._rows.shape[1] == width:
             return
-        tables = np.concatenate([c.tables for c in self._chunks])
-        ids = np.concatenate([c.ids for c in self._chunks])
-        self._tokens = np.concatenate([c.tokens for c in self._chunks])
-        self._rows = np.concatenate([c.rows for c in self._chunks])
-        self._index.insert(ids, tables, np.arange(len(ids), dtype=np.int64))  # later chunks win
+        live = self._chunks[0][1] if self._chunks else self._end
+        kept = slice(live - self._base, self._end - self._base)
+        size = self._end - live + n
+        capacity = len(self._rows) if size <= len(self._rows) and self._rows.shape[1] == width else 2 * size
+        rows = np.empty((capacity, width), dtype=np.float32)
+        tokens = np.empty(capacity, dtype=np.int64)
+        if self._end > live:  # (the first chunk sets the width)
+            rows[: self._end - live] = self._rows[kept]
+            tokens[: self._end - live] = self._tokens[kept]
+        self._rows, self._tokens, self._base = rows, tokens, live
 
     def __len__(self) -> int:
-        return sum(len(c.ids) for c in self._chunks) + sum(len(c.ids) for c in list(self._arrived))
+        live = self._chunks[0][1] if self._chunks else self._end
+        return self._end - live + sum(len(c.ids) for c in list(self._arrived))
 
     def take(self, tables: np.ndarray, ids: np.ndarray,
              current_tokens: Callable[[np.ndarray, np.ndarray], np.ndarray]
@@ -85,21 +107,27 @@ class StagedRows:
         hit = np.flatnonzero(positions >= 0)
         stale = 0
         if len(hit):
-            fresh = current_tokens(tables[hit], ids[hit]) == self._tokens[positions[hit]]
+            at = positions[hit] - self._base
+            fresh = current_tokens(tables[hit], ids[hit]) == self._tokens[at]
             stale = int(len(hit) - fresh.sum())
-            hit = hit[fresh]
+            hit, at = hit[fresh], at[fresh]
+        else:
+            at = np.empty(0, dtype=np.int64)
         found[hit] = True
-        return found, torch.from_numpy(self._rows[positions[hit]]), stale
+        return found, torch.from_numpy(self._rows[at]), stale
 
     def release(self, batch: int) -> None:
         """Forget the rows read for batches up to ``batch``: they have run."""
         self._absorb()
-        kept = [c for c in self._chunks if c.batch > batch]
-        if len(kept) != len(self._chunks):
-            self._chunks = kept
-            self._rebuild()
+        while self._chunks and self._chunks[0][0].batch <= batch:
+            chunk, start = self._chunks.popleft()
+            # Rows a later chunk staged again stay, with that chunk's copy.
+            positions = self._index.lookup(chunk.ids, chunk.tables)
+            own = (positions >= start) & (positions < start + len(chunk.ids))
+            self._index.remove(chunk.ids[own], chunk.tables[own])
 
     def clear(self) -> None:
         self._arrived.clear()
-        self._chunks = []
-        self._index = None
+        self._chunks.clear()
+        self._index.clear()
+        self._base = self._end = 0
