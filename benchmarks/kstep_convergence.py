@@ -5,9 +5,11 @@ data and, where ../shared/data is present, on the real Criteo sample; k=1 is
 synchronous data parallel training. Prints one table per dataset with AUC - AUC(k=1),
 after every epoch, averaged over seeds and paired by seed (+- one standard error); "16o" is k=16 with
 overlap=True (each merge applied k steps late), "16f" k=16 with Adam's moments averaged
-in float32 rather than the default bfloat16.
+in float32 rather than the default bfloat16, "64w" (on request) k=64 after 64 synchronous
+warm-up steps.
 
     python benchmarks/kstep_convergence.py [--train-rows 200000 --epochs 1]
+    python benchmarks/kstep_convergence.py --data sample --configs 1,64,64w
 """
 
 from __future__ import annotations
@@ -73,14 +75,18 @@ def fit(k: int, train: Path, val: Path, epochs: int, batch: int, seed: int = 0, 
     return json.loads(line[len("RESULT "):])
 
 
-def table(name: str, train: Path, val: Path, epochs: int, batch: int, seeds: int) -> None:
+# label: (k, further KStepAdamStrategy arguments); "1" is the reference every other is paired with.
+CONFIGS = {"1": (1, {}), "4": (4, {}), "16": (16, {}), "64": (64, {}), "16o": (16, {"overlap": True}),
+           "16f": (16, {"moment_dtype": "float32"}), "64w": (64, {"warmup_steps": 64})}
+DEFAULT_CONFIGS = "1,4,16,64,16o,16f"
+
+
+def table(name: str, train: Path, val: Path, epochs: int, batch: int, seeds: int, labels: list[str]) -> None:
     """AUC after each epoch per k, averaged over ``seeds`` seeds (initial weights), and the
     difference to k=1 paired by seed: on a small validation set the seed alone moves AUC
     by more than the effect being measured, and pairing removes most of that."""
     print(f"\n{name}: 2 ranks x batch {batch}, {epochs} epoch(s), {seeds} seed(s)")
-    # label: (k, further KStepAdamStrategy arguments)
-    configs = {"1": (1, {}), "4": (4, {}), "16": (16, {}), "64": (64, {}), "16o": (16, {"overlap": True}),
-               "16f": (16, {"moment_dtype": "float32"})}
+    configs = {label: CONFIGS[label] for label in ["1"] + [c for c in labels if c != "1"]}
     aucs: dict[str, list[list[float]]] = {c: [] for c in configs}
     steps = 0
     for seed in range(seeds):
@@ -112,16 +118,25 @@ def main() -> None:
     # times before any example comes round again.
     parser.add_argument("--sample-batch", type=int, default=16, help="batch per rank on the real sample")
     parser.add_argument("--sample-epochs", type=int, default=3)
+    parser.add_argument("--configs", default=DEFAULT_CONFIGS,
+                        help=f"comma-separated, of {','.join(CONFIGS)} (64w: k=64 after 64 synchronous steps)")
+    parser.add_argument("--data", choices=["both", "synthetic", "sample"], default="both")
     args = parser.parse_args()
+    labels = args.configs.split(",")
+    unknown = [c for c in labels if c not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configurations {unknown}; choose from {list(CONFIGS)}")
     from ctr_lightning.datamodules import write_synthetic_criteo
 
-    with tempfile.TemporaryDirectory() as tmp:
-        train = write_synthetic_criteo(Path(tmp) / "train.tsv", rows=args.train_rows, seed=0)
-        val = write_synthetic_criteo(Path(tmp) / "val.tsv", rows=args.val_rows, seed=0, stream=1)
-        table(f"synthetic demo data ({args.train_rows:,} train rows)", train, val, args.epochs, 512, args.seeds)
-    if (SAMPLE / "train_random4584.tsv").is_file():
+    if args.data != "sample":
+        with tempfile.TemporaryDirectory() as tmp:
+            train = write_synthetic_criteo(Path(tmp) / "train.tsv", rows=args.train_rows, seed=0)
+            val = write_synthetic_criteo(Path(tmp) / "val.tsv", rows=args.val_rows, seed=0, stream=1)
+            table(f"synthetic demo data ({args.train_rows:,} train rows)", train, val, args.epochs, 512, args.seeds,
+                  labels)
+    if args.data != "synthetic" and (SAMPLE / "train_random4584.tsv").is_file():
         table("real Criteo sample (train_random4584 -> train_head1999)", SAMPLE / "train_random4584.tsv",
-              SAMPLE / "train_head1999.tsv", args.sample_epochs, args.sample_batch, args.sample_seeds)
+              SAMPLE / "train_head1999.tsv", args.sample_epochs, args.sample_batch, args.sample_seeds, labels)
 
 
 if __name__ == "__main__":
