@@ -1,6 +1,5 @@
 import lightning.pytorch as pl
 import pytest
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ctr_lightning.datamodules import CriteoDataModule, write_synthetic_criteo

@@ -3,7 +3,6 @@ import random
 import re
 import shutil
 
-import numpy as np
 import pytest
 
 from ctr_lightning.datamodules import BadLineError

@@ -1,8 +1,6 @@
-import numpy as np
 import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding import SparseAdam, TieredEmbeddingBagCollection
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+from ctr_lightning.embedding import SparseAdam, TieredEmbeddingBagCollection
 from ctr_lightning.embedding.sharding_plan import TableSharding, plan_sharding, row_owner
 
 # Run by each rank, and by the single-process reference (world size 1): the same global
