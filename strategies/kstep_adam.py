@@ -50,10 +50,11 @@ class KStepAdamStrategy(DDPStrategy):
 
     Parameters are averaged exactly, in float32. Adam's moments travel (and are summed)
     as ``moment_dtype``, bfloat16 by default, which cuts a merge from three model-sized
-    messages to two. They are running statistics: rounded to bfloat16's 8 significant
-    bits before and after the sum, each lands within about 0.4% of its float32 average,
-    the first Adam step after a merge differs by well under 1%, and the difference fades
-    as the moments decay. bfloat16 keeps float32's exponent range, so small
+    messages to two. They are running statistics: each reduction hop rounds the running
+    sum to bfloat16's 8 significant bits (2^-9 relative), so with a few ranks an averaged
+    ``exp_avg_sq`` lands within about 0.4% of its float32 average (``exp_avg`` within
+    that share of its inputs' magnitude, as opposite signs cancel), and the difference
+    fades as the moments decay. bfloat16 keeps float32's exponent range, so small
     ``exp_avg_sq`` do not flush to zero as they would in float16.
     ``moment_dtype="float32"`` averages them exactly.
 
@@ -63,9 +64,11 @@ class KStepAdamStrategy(DDPStrategy):
     (:class:`OverlappedMerge`). The merged model arrives ``k`` steps late, so ranks carry
     their last ``k`` local steps on top of it.
 
-    The ranks also merge whatever they stepped since the last merge when validation
-    starts during fit and when fit ends, so validation, the checkpoint after it and the
-    model fit returns are the one merged model (:meth:`merge_local_steps`). Merges every
+    A merge averages the whole model: the parameters of every optimizer, whichever
+    stepped last. The ranks also merge whatever they stepped since the last merge when
+    validation starts during fit and when fit ends, so validation, the checkpoint after it
+    and the model fit returns are the one merged model (:meth:`merge_local_steps`; it
+    runs after callbacks' own ``on_validation_start`` / ``on_train_end``). Merges every
     k steps keep their schedule.
 
     The node layout is ``local_world_size`` ranks per node (default: the launcher's
@@ -207,7 +210,7 @@ class KStepAdamStrategy(DDPStrategy):
         local_steps = self.optimizer_steps - self.warmup_steps
         metrics: dict[str, float] = {}
         if not synchronous and local_steps > 0 and local_steps % self.k == 0 and self.world_size > 1:
-            metrics.update(self.merge_overlapped(optimizer) if self.overlapped else self.merge(optimizer))
+            metrics.update(self.merge_overlapped() if self.overlapped else self.merge())
             self._last_merge_step = self.optimizer_steps
         if self.average is not None:
             after = self.comm_bytes()  # an overlapped merge's bytes count where they are sent
@@ -222,41 +225,51 @@ class KStepAdamStrategy(DDPStrategy):
         averages = [a for a in (self.average, self.overlapped and self.overlapped.average) if a is not None]
         return (sum(a.bytes.intra_node for a in averages), sum(a.bytes.inter_node for a in averages))
 
-    def _merged_tensors(self, optimizer: Optimizer) -> MergedTensors:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+    def _merged_tensors(self) -> MergedTensors:
+        """The whole model: every optimizer's parameters (and Adam moments), so that a merge
+        leaves the ranks equal whichever optimizer stepped last."""
+        params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]]
         exact = [p.data for p in params] + [b for b in self.lightning_module.buffers() if b.is_floating_point()]
         moments: list[torch.Tensor] = []
         squares: list[bool] = []
         if self.merge_optimizer_state:
-            inner = getattr(optimizer, "_optimizer", optimizer)
-            for p in params:
-                state = inner.state.get(p, {})
-                for name in _ADAM_STATE:
-                    if name in state:
-                        moments.append(state[name])
-                        squares.append(name == "exp_avg_sq")
+            # In parameter order, the same on every rank (a state dict's order is not).
+            candidates = [(getattr(optimizer, "_optimizer", optimizer).state.get(p, {}), name)
+                          for optimizer in self.optimizers for group in optimizer.param_groups
+                          for p in group["params"] for name in _ADAM_STATE]
+            # A parameter that got no gradient on some rank (or a step an AMP scaler skipped)
+            # has no moments there yet: merge only what every rank has, or the collectives
+            # would not match.
+            present = torch.tensor([name in st for st, name in candidates], dtype=torch.int32,
+                                   device=self.root_device)
+            if self.world_size > 1 and len(present):
+                dist.all_reduce(present, op=dist.ReduceOp.MIN)
+            for (st, name), everywhere in zip(candidates, present.tolist()):
+                if everywhere:
+                    moments.append(st[name])
+                    squares.append(name == "exp_avg_sq")
         return MergedTensors(params, exact, moments, squares, self.moment_dtype)
 
-    def merge(self, optimizer: Optimizer) -> dict[str, float]:
+    def merge(self) -> dict[str, float]:
         """Average parameters (and Adam's moments) over all ranks; returns merge metrics."""
         start = time.perf_counter()
-        merged_tensors = self._merged_tensors(optimizer)
+        merged_tensors = self._merged_tensors()
         params = merged_tensors.params
         local = torch.cat([p.detach().reshape(-1) for p in params]).clone()
         merged_tensors.average_with(self.average)
         merged = torch.cat([p.detach().reshape(-1) for p in params])
-        divergence = torch.tensor([float((local - merged).norm() / merged.norm().clamp_min(1e-12))])
-        dist.all_reduce(divergence)
+        divergence = ((local - merged).norm() / merged.norm().clamp_min(1e-12)).reshape(1).float()
+        dist.all_reduce(divergence)  # on the parameters' device: NCCL takes no CPU tensors
         self.last_divergence = float(divergence) / self.world_size
         self.merges += 1
         return {"kstep/merge_ms": (time.perf_counter() - start) * 1000.0, "kstep/divergence": self.last_divergence}
 
-    def merge_overlapped(self, optimizer: Optimizer) -> dict[str, float]:
+    def merge_overlapped(self) -> dict[str, float]:
         """Apply the merge in flight, then start the next one; ``kstep/merge_ms`` is the
         time training stood still for it (waiting, correcting, snapshotting)."""
         start = time.perf_counter()
         metrics = self._apply_overlapped()
-        self.overlapped.launch(self._merged_tensors(optimizer))
+        self.overlapped.launch(self._merged_tensors())
         metrics["kstep/merge_ms"] = (time.perf_counter() - start) * 1000.0
         return metrics
 
@@ -271,11 +284,13 @@ class KStepAdamStrategy(DDPStrategy):
     def merge_local_steps(self) -> None:
         """Collective: merge now whatever the ranks stepped on their own since the last
         merge (an overlapped merge in flight is applied first), so they hold one model."""
-        metrics = self._apply_overlapped()
-        if self.k > 1 and self.world_size > 1 and self.optimizer_steps > max(self.warmup_steps, self._last_merge_step):
-            for optimizer in self.optimizers:
-                metrics.update(self.merge(optimizer))
-            self._last_merge_step = self.optimizer_steps
+        # Validation runs under inference mode; the merged tensors must stay normal ones.
+        with torch.inference_mode(False), torch.no_grad():
+            metrics = self._apply_overlapped()
+            if self.k > 1 and self.world_size > 1 and self.optimizer_steps > max(self.warmup_steps,
+                                                                                 self._last_merge_step):
+                metrics.update(self.merge())
+                self._last_merge_step = self.optimizer_steps
         self._log(metrics)
 
     @override

@@ -63,8 +63,8 @@ class OverlappedMerge:
         averaged.average_with(self.average)
         merged = torch.cat([p.reshape(-1) for p in averaged.params])
         local = torch.cat([p.reshape(-1) for p in local_params])
-        divergence = torch.tensor([float((local - merged).norm() / merged.norm().clamp_min(1e-12))])
-        self.average([divergence])
+        divergence = ((local - merged).norm() / merged.norm().clamp_min(1e-12)).reshape(1).float()
+        self.average([divergence])  # on the parameters' device: NCCL takes no CPU tensors
         return float(divergence)
 
     def apply(self) -> tuple[float, float] | None:

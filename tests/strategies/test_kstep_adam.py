@@ -33,6 +33,23 @@ class MLP(pl.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=0.05)
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
+class TwoOptimizers(MLP):
+    # Manual optimization with one Adam per layer: every batch takes two optimizer steps.
+    def __init__(self):
+        super().__init__("adam")
+        self.automatic_optimization = False
+    def training_step(self, batch, batch_idx):
+        first, second = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        first.zero_grad()
+        second.zero_grad()
+        self.manual_backward(loss)
+        first.step()
+        second.step()
+    def configure_optimizers(self):
+        return [torch.optim.Adam(self.net[0].parameters(), lr=0.01),
+                torch.optim.Adam(self.net[2].parameters(), lr=0.01)]
+
 history, stepped, moments, stepped_moments, validated = [], [], [], [], []
 
 def flat(module):
@@ -70,7 +87,7 @@ trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE",
                      enable_model_summary=False, callbacks=[Record()], val_check_interval=val_check_interval,
                      limit_val_batches=2 if val_check_interval else 0)
 try:
-    trainer.fit(MLP(optimizer), DataLoader(data, batch_size=16),
+    trainer.fit(TwoOptimizers() if optimizer == "two_adam" else MLP(optimizer), DataLoader(data, batch_size=16),
                 DataLoader(data, batch_size=16) if val_check_interval else None)
 except ValueError as e:
     print("RESULT " + json.dumps({"error": str(e)}), flush=True)
@@ -130,6 +147,18 @@ def test_k4_ranks_diverge_between_merges_and_agree_after(tmp_path, run_ranks):
         assert torch.equal(x, y)
     assert [r["merges"] for r in results] == [3, 3] and results[0]["divergence"] > 0
     assert results[0]["inter"] == 0  # one node: everything stays inside it
+
+
+@pytest.mark.slow
+def test_every_merge_covers_every_optimizer(tmp_path, run_ranks):
+    # 12 optimizer steps in 6 batches; merges at steps 4, 8 and 12 all fall on the second
+    # optimizer's step, and must still average the first optimizer's layer too.
+    results = _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", optimizer="two_adam")
+    a, b = (_history(tmp_path, "kstep", r) for r in range(2))
+    assert len(a["history"]) == 6
+    for batch in range(6):
+        assert torch.equal(a["history"][batch], b["history"][batch]) == (batch in (1, 3, 5)), batch
+    assert [r["merges"] for r in results] == [3, 3]
 
 
 @pytest.mark.slow
