@@ -34,9 +34,9 @@ class StagedRows:
     :meth:`release` forgets the chunks of batches that have run.
 
     Chunks live in one buffer in arrival order, indexed by (table, id); a later chunk's
-    copy of a row wins. Arrivals and releases touch only their own chunk's rows: the
-    buffer is compacted only when full, so staging costs O(rows staged), not O(rows held)
-    per batch.
+    copy of a row wins. Arrivals and releases touch only their own chunk's rows; the
+    buffer is compacted when full and then kept at least twice what it holds, so staging
+    costs O(rows staged), amortized, not O(rows held) per batch.
 
     Example::
 
@@ -80,14 +80,18 @@ class StagedRows:
         if self._end - self._base + n <= len(self._rows) and self._rows.shape[1] == width:
             return
         live = self._chunks[0][1] if self._chunks else self._end
+        held = self._end - live
         kept = slice(live - self._base, self._end - self._base)
-        size = self._end - live + n
-        capacity = len(self._rows) if size <= len(self._rows) and self._rows.shape[1] == width else 2 * size
-        rows = np.empty((capacity, width), dtype=np.float32)
-        tokens = np.empty(capacity, dtype=np.int64)
-        if self._end > live:  # (the first chunk sets the width)
-            rows[: self._end - live] = self._rows[kept]
-            tokens[: self._end - live] = self._tokens[kept]
+        # At least twice what is held: the rows copied here are then paid for by as many
+        # arrivals before the next compaction.
+        if len(self._rows) >= 2 * (held + n) and self._rows.shape[1] == width:
+            rows, tokens = self._rows, self._tokens
+        else:
+            rows = np.empty((2 * (held + n), width), dtype=np.float32)
+            tokens = np.empty(2 * (held + n), dtype=np.int64)
+        if held:  # (the first chunk sets the width)
+            rows[:held] = self._rows[kept]  # numpy copies overlapping slices safely
+            tokens[:held] = self._tokens[kept]
         self._rows, self._tokens, self._base = rows, tokens, live
 
     def __len__(self) -> int:
