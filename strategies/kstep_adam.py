@@ -254,12 +254,10 @@ class KStepAdamStrategy(DDPStrategy):
         """Average parameters (and Adam's moments) over all ranks; returns merge metrics."""
         start = time.perf_counter()
         merged_tensors = self._merged_tensors()
-        params = merged_tensors.params
-        local = torch.cat([p.detach().reshape(-1) for p in params]).clone()
+        local = [p.detach().clone() for p in merged_tensors.params]
         merged_tensors.average_with(self.average)
-        merged = torch.cat([p.detach().reshape(-1) for p in params])
-        divergence = ((local - merged).norm() / merged.norm().clamp_min(1e-12)).reshape(1).float()
-        dist.all_reduce(divergence)  # on the parameters' device: NCCL takes no CPU tensors
+        divergence = merged_tensors.distance_from(local)
+        dist.all_reduce(divergence)
         self.last_divergence = float(divergence) / self.world_size
         self.merges += 1
         return {"kstep/merge_ms": (time.perf_counter() - start) * 1000.0, "kstep/divergence": self.last_divergence}

@@ -40,6 +40,13 @@ class MergedTensors:
         n = len(self.exact)
         return MergedTensors(tensors[: len(self.params)], tensors[:n], tensors[n:], self.squares, self.moment_dtype)
 
+    def distance_from(self, before: list[torch.Tensor]) -> torch.Tensor:
+        """``[1]`` relative L2 distance of the parameters ``before`` (in :attr:`params`'
+        order) from the parameters now, on their device (NCCL takes no CPU tensors)."""
+        now = torch.cat([p.detach().reshape(-1) for p in self.params])
+        then = torch.cat([p.detach().reshape(-1) for p in before])
+        return ((then - now).norm() / now.norm().clamp_min(1e-12)).reshape(1).float()
+
     def average_with(self, average: HierarchicalAverage) -> None:
         """Replace every tensor by its mean over the ranks."""
         average(self.exact)

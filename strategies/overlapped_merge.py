@@ -61,10 +61,8 @@ class OverlappedMerge:
 
     def _average(self, averaged: MergedTensors, local_params: list[torch.Tensor]) -> float:
         averaged.average_with(self.average)
-        merged = torch.cat([p.reshape(-1) for p in averaged.params])
-        local = torch.cat([p.reshape(-1) for p in local_params])
-        divergence = ((local - merged).norm() / merged.norm().clamp_min(1e-12)).reshape(1).float()
-        self.average([divergence])  # on the parameters' device: NCCL takes no CPU tensors
+        divergence = averaged.distance_from(local_params)
+        self.average([divergence])
         return float(divergence)
 
     def apply(self) -> tuple[float, float] | None:

@@ -79,7 +79,7 @@ class StagedRows:
         that is not enough."""
         if self._end - self._base + n <= len(self._rows) and self._rows.shape[1] == width:
             return
-        live = self._chunks[0][1] if self._chunks else self._end
+        live = self._live
         held = self._end - live
         kept = slice(live - self._base, self._end - self._base)
         # At least twice what is held: the rows copied here are then paid for by as many
@@ -94,9 +94,13 @@ class StagedRows:
             tokens[:held] = self._tokens[kept]
         self._rows, self._tokens, self._base = rows, tokens, live
 
+    @property
+    def _live(self) -> int:
+        """Position of the oldest row not yet released."""
+        return self._chunks[0][1] if self._chunks else self._end
+
     def __len__(self) -> int:
-        live = self._chunks[0][1] if self._chunks else self._end
-        return self._end - live + sum(len(c.ids) for c in list(self._arrived))
+        return self._end - self._live + sum(len(c.ids) for c in list(self._arrived))
 
     def take(self, tables: np.ndarray, ids: np.ndarray,
              current_tokens: Callable[[np.ndarray, np.ndarray], np.ndarray]
