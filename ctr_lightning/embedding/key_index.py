@@ -9,7 +9,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from ctr_lightning.embedding.cache_hints import prefetch
+
 _EMPTY = np.int64(-1)
+_AHEAD = 16  # probes prefetched ahead in batch lookups
+_CHUNK = 1024  # keys per parallel task
+_PARALLEL_FROM = 4096  # keys from which a batch lookup runs in parallel
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -19,19 +24,30 @@ def _bucket(key: np.int64, tag: np.int64, mask: np.int64) -> np.int64:
     return np.int64(h >> np.uint64(20)) & mask
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _lookup_range(keys_table, tags_table, slots_table, keys, tags, out, start, stop):
+    """Slots of keys[start:stop] into out, each probe's bucket prefetched ahead."""
+    mask = np.int64(len(keys_table) - 1)
+    for i in range(start, min(stop, start + _AHEAD)):
+        prefetch(keys_table, _bucket(keys[i], tags[i], mask))
+    for i in range(start, stop):
+        if i + _AHEAD < stop:
+            prefetch(keys_table, _bucket(keys[i + _AHEAD], tags[i + _AHEAD], mask))
+        b = _find(keys_table, tags_table, keys[i], tags[i], mask)
+        out[i] = slots_table[b] if keys_table[b] != -1 else -1
+
+
 @numba.njit(cache=True, nogil=True)
 def _lookup(keys_table, tags_table, slots_table, keys, tags, out):
-    mask = np.int64(len(keys_table) - 1)
-    for i in range(len(keys)):
-        k = keys[i]
-        t = tags[i]
-        b = _bucket(k, t, mask)
-        out[i] = -1
-        while keys_table[b] != -1:
-            if keys_table[b] == k and tags_table[b] == t:
-                out[i] = slots_table[b]
-                break
-            b = (b + 1) & mask
+    _lookup_range(keys_table, tags_table, slots_table, keys, tags, out, 0, len(keys))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _lookup_parallel(keys_table, tags_table, slots_table, keys, tags, out):
+    n = len(keys)
+    for chunk in numba.prange((n + _CHUNK - 1) // _CHUNK):
+        _lookup_range(keys_table, tags_table, slots_table, keys, tags, out, chunk * _CHUNK,
+                      min(n, (chunk + 1) * _CHUNK))
 
 
 @numba.njit(cache=True, nogil=True)
@@ -100,10 +116,16 @@ class KeyIndex:
 
     def __init__(self, capacity: int = 1024) -> None:
         size = 1 << max(4, int(2 * capacity - 1).bit_length())
-        self._keys = np.full(size, _EMPTY, dtype=np.int64)
-        self._tags = np.zeros(size, dtype=np.int64)
-        self._slots = np.full(size, _EMPTY, dtype=np.int64)
+        self._allocate(size)
         self._count = 0
+
+    def _allocate(self, size: int) -> None:
+        # Key, tag and slot of a bucket side by side: a probe touches one cache line, not three.
+        entries = np.empty((size, 3), dtype=np.int64)
+        entries[:, 0] = _EMPTY
+        entries[:, 1] = 0
+        entries[:, 2] = _EMPTY
+        self._keys, self._tags, self._slots = entries[:, 0], entries[:, 1], entries[:, 2]
 
     def __len__(self) -> int:
         return self._count
@@ -111,8 +133,33 @@ class KeyIndex:
     def lookup(self, keys: np.ndarray, tags: np.ndarray) -> np.ndarray:
         """Slot of each (key, tag), -1 where absent."""
         out = np.empty(len(keys), dtype=np.int64)
-        _lookup(self._keys, self._tags, self._slots, _i64(keys), _i64(tags), out)
+        self._lookup_into(_i64(keys), _i64(tags), out)
         return out
+
+    def _lookup_into(self, keys: np.ndarray, tags: np.ndarray, out: np.ndarray) -> None:
+        if len(keys) > _PARALLEL_FROM:
+            _lookup_parallel(self._keys, self._tags, self._slots, keys, tags, out)
+        else:  # starting the threads would cost more than they save
+            _lookup(self._keys, self._tags, self._slots, keys, tags, out)
+
+    def lookup_unique(self, keys: np.ndarray, tags: np.ndarray,
+                      slot_mark: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:func:`dedup` and :meth:`lookup` at once: ``(first, inverse, slots)`` with
+        ``slots`` the slot of each unique (key, tag), -1 where absent.
+
+        All keys are looked up in parallel; present ones are then deduplicated by slot
+        through ``slot_mark`` (an int64 array longer than the largest slot, all -1,
+        and left so), which costs one array access per key instead of a hash probe.
+        """
+        keys, tags = _i64(keys), _i64(tags)
+        n = len(keys)
+        found = np.empty(n, dtype=np.int64)
+        self._lookup_into(keys, tags, found)
+        first = np.empty(n, dtype=np.int64)
+        inverse = np.empty(n, dtype=np.int64)
+        slots = np.empty(n, dtype=np.int64)
+        unique = _unique_by_slot(keys, tags, found, slot_mark, first, inverse, slots)
+        return first[:unique], inverse, slots[:unique]
 
     def insert(self, keys: np.ndarray, tags: np.ndarray, slots: np.ndarray) -> None:
         keys = _i64(keys)
@@ -140,32 +187,72 @@ class KeyIndex:
         size = len(self._keys)
         while 2 * count > size:
             size *= 2
-        self._keys = np.full(size, _EMPTY, dtype=np.int64)
-        self._tags = np.zeros(size, dtype=np.int64)
-        self._slots = np.full(size, _EMPTY, dtype=np.int64)
+        self._allocate(size)
         self._count = _insert(self._keys, self._tags, self._slots, keys, tags, slots)
 
 
 @numba.njit(cache=True, nogil=True)
-def _dedup(keys, tags, first, inverse) -> int:
-    n = len(keys)
+def _scratch_table(n):
+    """An empty table for numbering up to ``n`` distinct keys: (keys, tags, numbers, mask)."""
     size = 16
     while size < 2 * n:
         size *= 2
-    mask = np.int64(size - 1)
-    table_keys = np.full(size, -1, dtype=np.int64)
-    table_tags = np.zeros(size, dtype=np.int64)
-    table_pos = np.empty(size, dtype=np.int64)
+    return (np.full(size, -1, dtype=np.int64), np.zeros(size, dtype=np.int64), np.empty(size, dtype=np.int64),
+            np.int64(size - 1))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _number(table_keys, table_tags, table_numbers, mask, key, tag, i, unique, first):
+    """The number of (key, tag) in order of first appearance, and the count so far; a new
+    key gets number ``unique`` and ``first[unique] = i``."""
+    b = _find(table_keys, table_tags, key, tag, mask)
+    if table_keys[b] == -1:
+        table_keys[b] = key
+        table_tags[b] = tag
+        table_numbers[b] = unique
+        first[unique] = i
+        unique += 1
+    return table_numbers[b], unique
+
+
+@numba.njit(cache=True, nogil=True)
+def _dedup(keys, tags, first, inverse) -> int:
+    table_keys, table_tags, table_numbers, mask = _scratch_table(len(keys))
+    unique = 0
+    for i in range(len(keys)):
+        inverse[i], unique = _number(table_keys, table_tags, table_numbers, mask, keys[i], tags[i], i, unique, first)
+    return unique
+
+
+@numba.njit(cache=True, nogil=True)
+def _unique_by_slot(keys, tags, found, slot_mark, first, inverse, slots) -> int:
+    n = len(keys)
+    misses = 0
+    for i in range(n):
+        misses += found[i] < 0
+    miss_keys, miss_tags, miss_numbers, mask = _scratch_table(misses)
     unique = 0
     for i in range(n):
-        b = _find(table_keys, table_tags, keys[i], tags[i], mask)
-        if table_keys[b] == -1:
-            table_keys[b] = keys[i]
-            table_tags[b] = tags[i]
-            table_pos[b] = unique
-            first[unique] = i
-            unique += 1
-        inverse[i] = table_pos[b]
+        if i + _AHEAD < n and found[i + _AHEAD] >= 0:
+            prefetch(slot_mark, found[i + _AHEAD])
+        s = found[i]
+        if s >= 0:
+            u = slot_mark[s]
+            if u < 0:
+                u = unique
+                slot_mark[s] = u
+                first[u] = i
+                slots[u] = s
+                unique += 1
+        else:
+            u, counted = _number(miss_keys, miss_tags, miss_numbers, mask, keys[i], tags[i], i, unique, first)
+            if counted > unique:
+                slots[unique] = -1
+                unique = counted
+        inverse[i] = u
+    for u in range(unique):
+        if slots[u] >= 0:
+            slot_mark[slots[u]] = -1
     return unique
 
 

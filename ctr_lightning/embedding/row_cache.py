@@ -4,10 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
 from ctr_lightning.embedding.key_index import KeyIndex
+
+
+@numba.njit(cache=True, nogil=True)
+def _touch(last_used, uses, slots, clock):
+    for s in slots:
+        last_used[s] = clock
+        uses[s] += 1
 
 
 @dataclass
@@ -59,6 +67,7 @@ class RowCache:
         self.index = KeyIndex()
         self.occupancy = np.zeros(len(capacities), dtype=np.int64)
         self.clock = 0
+        self.unbounded = bool((self.capacity < 0).all())
         # A fully bounded tier reserves its whole budget; others start from the hint and grow.
         bounded = (self.capacity >= 0).all()
         self._allocate(int(self.capacity.sum()) if bounded else max(reserve_rows, 16))
@@ -72,6 +81,7 @@ class RowCache:
         self.last_used = np.zeros(slots, dtype=np.int64)
         self.uses = np.zeros(slots, dtype=np.int64)
         self.needed_until = np.full(slots, -1, dtype=np.int64)  # last upcoming batch that needs the row
+        self.slot_mark = np.full(slots, -1, dtype=np.int32)  # scratch of KeyIndex.lookup_unique
         self.never_used = 0  # slots [never_used, len) were never handed out
         self.free = np.empty(0, dtype=np.int64)  # released slots, reused first
         self.index.clear()
@@ -88,10 +98,16 @@ class RowCache:
     def lookup(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return self.index.lookup(ids, tables)
 
+    def lookup_unique(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(first, inverse, slots)``: the unique (table, id) pairs in order of first
+        appearance (as :func:`dedup`) and the slot of each, -1 where absent."""
+        return self.index.lookup_unique(ids, tables, self.slot_mark)
+
     def touch(self, slots: np.ndarray) -> None:
+        if self.unbounded:
+            return  # nothing is ever evicted: recency and use counts are never read
         self.clock += 1
-        self.last_used[slots] = self.clock
-        self.uses[slots] += 1
+        _touch(self.last_used, self.uses, slots, self.clock)
 
     def room_needed(self, tables: np.ndarray) -> np.ndarray:
         """Per table, how many rows must go before ``tables`` (one entry per new row) fit."""
@@ -191,6 +207,7 @@ class RowCache:
         self.last_used = np.concatenate([self.last_used, np.zeros(pad, dtype=np.int64)])
         self.uses = np.concatenate([self.uses, np.zeros(pad, dtype=np.int64)])
         self.needed_until = np.concatenate([self.needed_until, np.full(pad, -1, dtype=np.int64)])
+        self.slot_mark = np.concatenate([self.slot_mark, np.full(pad, -1, dtype=np.int32)])
 
     def _rows(self, slots: np.ndarray) -> Rows:
         index = torch.from_numpy(slots).to(self.device)

@@ -122,8 +122,13 @@ class TableGroup:
     # -- forward -------------------------------------------------------------------------
 
     def validate(self, tables: np.ndarray, ids: np.ndarray) -> None:
-        bad = ids < 0
-        bad |= self.bounded[tables] & (ids >= self.num_embeddings[tables])
+        if not self.bounded.any():  # the common case, hashed ids: only the sign to check
+            if not len(ids) or ids.min() >= 0:
+                return
+            bad = ids < 0
+        else:
+            bad = ids < 0
+            bad |= self.bounded[tables] & (ids >= self.num_embeddings[tables])
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             t = int(tables[i])
@@ -138,9 +143,15 @@ class TableGroup:
 
         With ``train``, the touched rows are updated by the sparse optimizer in backward.
         """
-        first, inverse = self._dedup(ids, tables)
-        u_tables, u_ids = tables[first], ids[first]
-        slots = self.device_tier.lookup(u_tables, u_ids)
+        cached = self._cached_dedup(ids, tables)
+        if cached is None:
+            self.validate(tables, ids)
+            first, inverse, slots = self.device_tier.lookup_unique(tables, ids)
+            u_tables, u_ids = tables[first], ids[first]
+        else:
+            first, inverse = cached
+            u_tables, u_ids = tables[first], ids[first]
+            slots = self.device_tier.lookup(u_tables, u_ids)
         miss = slots < 0
         self.stats["device_hits"] += int((~miss).sum())
         if miss.any():
@@ -229,24 +240,26 @@ class TableGroup:
 
     # -- working-set prefetch --------------------------------------------------------------
 
-    def _dedup(self, ids: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Validated and deduplicated ids, reusing the work :meth:`register` did on the
-        same batch (the cache is keyed by the ids' memory and checked for equality)."""
+    def _cached_dedup(self, ids: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """The validated dedup :meth:`register` did on this same batch, if any (the cache
+        is keyed by the ids' memory and checked for equality)."""
         cached = self._dedup_cache.pop(ids.ctypes.data, None) if self._dedup_cache else None
         if (cached is not None and len(cached[0]) == len(ids) and np.array_equal(cached[0], ids)
                 and np.array_equal(cached[1], tables)):
             return cached[2], cached[3]
-        self.validate(tables, ids)
-        return dedup(ids, tables)
+        return None
 
     def dedup_ahead(self, ids: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Validate and deduplicate ids before their lookup, which then reuses the result."""
         self.validate(tables, ids)
         first, inverse = dedup(ids, tables)
+        self._remember_dedup(ids, tables, first, inverse)
+        return first, inverse
+
+    def _remember_dedup(self, ids: np.ndarray, tables: np.ndarray, first: np.ndarray, inverse: np.ndarray) -> None:
         self._dedup_cache[ids.ctypes.data] = (ids, tables, first, inverse)
         while len(self._dedup_cache) > 64:  # batches read ahead but never looked up (evaluation)
             self._dedup_cache.pop(next(iter(self._dedup_cache)))
-        return first, inverse
 
     def _ssd_tokens(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return self.ssd.locate(tables, ids)[1]
@@ -261,9 +274,16 @@ class TableGroup:
         """
         if self.current_batch is None:
             self.current_batch = batch
-        first, _ = self.dedup_ahead(ids, tables) if reuse_dedup else self._dedup(ids, tables)
+        cached = None if reuse_dedup else self._cached_dedup(ids, tables)
+        if cached is None:
+            self.validate(tables, ids)
+            first, inverse, slots = self.device_tier.lookup_unique(tables, ids)
+            if reuse_dedup:
+                self._remember_dedup(ids, tables, first, inverse)
+        else:
+            first = cached[0]
+            slots = self.device_tier.lookup(tables[first], ids[first])
         tables, ids = tables[first], ids[first]
-        slots = self.device_tier.lookup(tables, ids)
         present = slots >= 0
         self.device_tier.needed_until[slots[present]] = batch
         # Rows not in the device tier get their batch noted, to be spared once they arrive.
@@ -337,31 +357,30 @@ class TableGroup:
     def _update(self, slots: np.ndarray, tables: np.ndarray, grad: torch.Tensor | _CpuBackward) -> None:
         # Every table in the batch counts a step, as torch.optim.SparseAdam counts per parameter.
         self.steps += 1
-        step = self.steps[tables]
         if isinstance(grad, _CpuBackward):
-            self._update_cpu(slots, step, grad)
+            self._update_cpu(slots, tables, grad)
         else:
             index = torch.from_numpy(slots).to(grad.device)
             rows = self.device_tier.values.index_select(0, index)
-            step_t = torch.from_numpy(step).to(grad.device)
+            step_t = torch.from_numpy(self.steps[tables]).to(grad.device)
             self.device_tier.values.index_copy_(0, index, apply_update(self.optimizer, rows, grad, step_t))
         self.device_tier.dirty[slots] = True
         self._pinned = [p for p in self._pinned if p is not slots]
 
-    def _update_cpu(self, slots: np.ndarray, step: np.ndarray, ctx: _CpuBackward) -> None:
+    def _update_cpu(self, slots: np.ndarray, tables: np.ndarray, ctx: _CpuBackward) -> None:
         opt = self.optimizer
         kind, params = kernel_optimizer(opt)
         step_scale = np.zeros(len(slots), dtype=np.float32)
         if isinstance(opt, SparseAdam):
             beta1, beta2 = opt.betas
-            step_scale = (opt.lr * np.sqrt(1 - beta2 ** step.astype(np.float64))
-                          / (1 - beta1 ** step.astype(np.float64))).astype(np.float32)
+            step = self.steps.astype(np.float64)  # one bias correction per table, then per row
+            step_scale = (opt.lr * np.sqrt(1 - beta2 ** step) / (1 - beta1 ** step)).astype(np.float32)[tables]
         inverse, offsets, weights, batch = ctx.inverse, ctx.offsets, ctx.weights, ctx.batch
         row_ptr, positions = kernels.occurrences_by_row(inverse, len(slots))
         bag = kernels.bag_of_ids(offsets, len(inverse))
         kernels.backward_update(self.device_tier.values.numpy(), self.dim, slots, row_ptr, positions, bag,
                                 offsets, weights, self.mode == "mean", batch, ctx.grad_out, kind, params,
-                                step_scale, np.empty((len(slots), self.dim), dtype=np.float32))
+                                step_scale)
 
     # -- reads without side effects, and checkpoints --------------------------------------
 

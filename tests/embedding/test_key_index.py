@@ -1,6 +1,6 @@
 import numpy as np
 
-from ctr_lightning.embedding.key_index import KeyIndex
+from ctr_lightning.embedding.key_index import KeyIndex, dedup
 
 
 def test_matches_a_dict_under_random_inserts_and_removes():
@@ -30,3 +30,20 @@ def test_full_64_bit_ids_do_not_collide_across_tables():
     index.insert(ids, np.array([0, 1, 0]), np.array([10, 11, 12]))
     assert index.lookup(ids, np.array([0, 1, 0])).tolist() == [10, 11, 12]
     assert index.lookup(ids, np.array([2, 2, 1])).tolist() == [-1, -1, -1]
+
+
+def test_lookup_unique_equals_dedup_then_lookup():
+    # Sizes on both sides of the parallel threshold; hits, misses and repeats of each.
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 50, 3000, 20000):
+        index = KeyIndex()
+        stored_keys, stored_tags = rng.integers(0, 5000, 4000), rng.integers(0, 3, 4000)
+        index.insert(stored_keys, stored_tags, rng.permutation(100_000)[:4000])
+        keys, tags = rng.integers(0, 8000, n), rng.integers(0, 3, n)
+        mark = np.full(100_000, -1, dtype=np.int32)
+        first, inverse, slots = index.lookup_unique(keys, tags, mark)
+        want_first, want_inverse = dedup(keys, tags)
+        assert first.tolist() == want_first.tolist()
+        assert inverse.tolist() == want_inverse.tolist()
+        assert slots.tolist() == index.lookup(keys[first], tags[first]).tolist()
+        assert (mark == -1).all()  # the scratch is left as it was found
