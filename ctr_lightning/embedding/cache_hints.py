@@ -43,16 +43,23 @@ def _codegen(context, builder, signature, args):
     return context.get_dummy_value()
 
 
+def _typed(array, indices):
+    if isinstance(array, types.Array) and array.ndim == len(indices) and all(
+            isinstance(i, types.Integer) for i in indices):
+        return types.void(array, *indices)
+    return None  # numba then reports a typing error naming the arguments
+
+
 @intrinsic
 def prefetch(typingctx, array, index):
     """Hint that ``array[index]`` (1-d) will be read soon. A hint only: never faults."""
-    return types.void(array, index), _codegen
+    return _typed(array, (index,)), _codegen
 
 
 @intrinsic
 def prefetch_at(typingctx, array, row, col):
     """Hint that ``array[row, col]`` (2-d) will be read soon."""
-    return types.void(array, row, col), _codegen
+    return _typed(array, (row, col)), _codegen
 
 
 @numba.njit(inline="always")

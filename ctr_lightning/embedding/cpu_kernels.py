@@ -8,7 +8,11 @@ thread count or on where the row lived before.
 The kernels are bound by memory latency: rows are scattered over a storage of many
 gigabytes, so they prefetch the rows a few steps ahead (see :mod:`cache_hints`).
 ``error_model="numpy"`` lets LLVM vectorise the optimizer's divisions (Python's
-ZeroDivisionError check would otherwise force scalar code); no divisor here can be 0.
+ZeroDivisionError check would otherwise force scalar code); no divisor here can be 0:
+bag lengths are counted only for non-empty bags, and the optimizer configs refuse eps <= 0.
+
+Numba's cache keys a kernel by its own file only: after editing :mod:`cache_hints`,
+clear the ``__pycache__`` caches of this module and of :mod:`key_index`.
 """
 
 from __future__ import annotations

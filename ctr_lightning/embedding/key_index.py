@@ -105,7 +105,9 @@ class KeyIndex:
     """Maps (non-negative int64 key, int64 tag) pairs to int64 slots.
 
     The tag is the table, so one index serves many tables without any id collision.
-    It grows to stay at most half full.
+    It grows to stay at most half full. With ``parallel``, large batch lookups use every
+    numba thread; leave it off for an index that a background thread reads, so that only
+    one thread ever starts parallel regions.
 
     Example::
 
@@ -114,13 +116,15 @@ class KeyIndex:
         index.lookup(np.array([7, 7]), np.array([3, 0]))   # array([ 1, -1])
     """
 
-    def __init__(self, capacity: int = 1024) -> None:
+    def __init__(self, capacity: int = 1024, parallel: bool = False) -> None:
         size = 1 << max(4, int(2 * capacity - 1).bit_length())
         self._allocate(size)
         self._count = 0
+        self._parallel = parallel
 
     def _allocate(self, size: int) -> None:
-        # Key, tag and slot of a bucket side by side: a probe touches one cache line, not three.
+        # Key, tag and slot of a bucket side by side (24 bytes): a probe usually touches one
+        # cache line, not three.
         entries = np.empty((size, 3), dtype=np.int64)
         entries[:, 0] = _EMPTY
         entries[:, 1] = 0
@@ -137,7 +141,7 @@ class KeyIndex:
         return out
 
     def _lookup_into(self, keys: np.ndarray, tags: np.ndarray, out: np.ndarray) -> None:
-        if len(keys) > _PARALLEL_FROM:
+        if self._parallel and len(keys) > _PARALLEL_FROM:
             _lookup_parallel(self._keys, self._tags, self._slots, keys, tags, out)
         else:  # starting the threads would cost more than they save
             _lookup(self._keys, self._tags, self._slots, keys, tags, out)
@@ -147,9 +151,10 @@ class KeyIndex:
         """:func:`dedup` and :meth:`lookup` at once: ``(first, inverse, slots)`` with
         ``slots`` the slot of each unique (key, tag), -1 where absent.
 
-        All keys are looked up in parallel; present ones are then deduplicated by slot
-        through ``slot_mark`` (an int64 array longer than the largest slot, all -1,
-        and left so), which costs one array access per key instead of a hash probe.
+        Present keys are deduplicated by slot through ``slot_mark``, an integer array
+        that is all -1 before the call and is left so; this costs one array access per
+        key instead of a hash probe. Only for an index whose slots are distinct and all
+        below ``len(slot_mark)``, as a row cache's are (not checked, for speed).
         """
         keys, tags = _i64(keys), _i64(tags)
         n = len(keys)

@@ -37,6 +37,10 @@ class SparseAdagrad(SparseSGD):
     lr: float = 0.05
     eps: float = 1e-8
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_eps(self)
+
 
 @dataclass(frozen=True)
 class RowWiseAdagrad(SparseAdagrad):
@@ -60,6 +64,19 @@ class SparseAdam(SparseSGD):
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_eps(self)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"SparseAdam: betas must be two numbers in [0, 1), got {self.betas}")
+
+
+def _check_eps(optimizer: SparseSGD) -> None:
+    # The fused kernels divide by sqrt(state) + eps: with eps = 0 an untouched element
+    # would turn its weight into NaN.
+    if not optimizer.eps > 0:
+        raise ValueError(f"{type(optimizer).__name__}: eps must be > 0, got {optimizer.eps}")
 
 
 SparseOptimizer = SparseSGD | SparseAdagrad | RowWiseAdagrad | SparseAdam

@@ -64,7 +64,7 @@ class RowCache:
         self.device = torch.device(device)
         self.capacity = np.array([-1 if c is None else c for c in capacities], dtype=np.int64)
         self.lfu = np.array(lfu, dtype=bool)
-        self.index = KeyIndex()
+        self.index = KeyIndex(parallel=True)  # read by the training thread only
         self.occupancy = np.zeros(len(capacities), dtype=np.int64)
         self.clock = 0
         self.unbounded = bool((self.capacity < 0).all())
