@@ -178,20 +178,26 @@ class RowCache:
 
     def insert(self, rows: Rows) -> np.ndarray:
         """Place rows (room made with :meth:`choose_victims` and :meth:`release`); overwrite those present."""
-        slots = self.lookup(rows.tables, rows.ids)
+        slots = self.place(rows.tables, rows.ids, rows.dirty)
+        self.values[torch.from_numpy(slots).to(self.device)] = rows.values.to(self.device)
+        return slots
+
+    def place(self, tables: np.ndarray, ids: np.ndarray, dirty: np.ndarray) -> np.ndarray:
+        """Slots for these (table, id) pairs, taking free ones for those not here yet, with
+        the bookkeeping of :meth:`insert` but no values: the caller writes the rows."""
+        slots = self.lookup(tables, ids)
         new = slots < 0
         fresh = self._take_slots(int(new.sum()))
         slots[new] = fresh
-        self.index.insert(rows.ids[new], rows.tables[new], fresh)
-        self.owner[fresh] = rows.tables[new] + 1
-        self.slot_id[fresh] = rows.ids[new]
+        self.index.insert(ids[new], tables[new], fresh)
+        self.owner[fresh] = tables[new] + 1
+        self.slot_id[fresh] = ids[new]
         self.dirty[fresh] = False
-        self.occupancy += np.bincount(rows.tables[new], minlength=len(self.occupancy))
+        self.occupancy += np.bincount(tables[new], minlength=len(self.occupancy))
         self.uses[fresh] = 0
         self.needed_until[fresh] = -1
         self.last_used[fresh] = self.clock
-        self.values[torch.from_numpy(slots).to(self.device)] = rows.values.to(self.device)
-        self.dirty[slots] |= rows.dirty
+        self.dirty[slots] |= dirty
         return slots
 
     def _grow(self, needed: int) -> None:

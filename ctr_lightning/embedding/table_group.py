@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from ctr_lightning.embedding import cpu_kernels as kernels
-from ctr_lightning.embedding.initializer import initial_rows, table_key
+from ctr_lightning.embedding.initializer import initial_rows, initialize_slots, table_key
 from ctr_lightning.embedding.key_index import KeyIndex, dedup
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 from ctr_lightning.embedding.row_cache import RowCache, Rows
@@ -222,18 +222,24 @@ class TableGroup:
                 rows[torch.from_numpy(rest[found])] = torch.from_numpy(data)
                 filled[rest[found]] = True
                 self.stats["ssd_hits"] += int(found.sum())
-        if not filled.all():
-            new = np.flatnonzero(~filled)
-            rows[torch.from_numpy(new)] = 0.0
-            rows[torch.from_numpy(new), : self.dim] = torch.from_numpy(self._initial(tables[new], ids[new]))
-            self.stats["new_rows"] += len(new)
         need = self.device_tier.room_needed(tables)
         pinned_all = np.concatenate([pinned, *self._pinned]) if self._pinned else pinned
         victim_slots, victims = self.device_tier.choose_victims(need, pinned_all, self.names,
                                                                 needed_after=self.current_batch)
         self._demote(victims.select(victims.dirty))
         self.device_tier.release(victim_slots)
-        slots = self.device_tier.insert(Rows(tables, ids, rows, np.zeros(len(ids), dtype=bool)))
+        clean = np.zeros(len(ids), dtype=bool)
+        if filled.all():
+            slots = self.device_tier.insert(Rows(tables, ids, rows, clean))
+        else:
+            slots = np.empty(len(ids), dtype=np.int64)
+            old, new = np.flatnonzero(filled), np.flatnonzero(~filled)
+            if len(old):
+                slots[old] = self.device_tier.insert(Rows(tables[old], ids[old], rows[torch.from_numpy(old)], clean[old]))
+            # Rows never stored anywhere start from the initializer, written in place.
+            slots[new] = self.device_tier.place(tables[new], ids[new], clean[new])
+            self._initialize(slots[new], tables[new], ids[new])
+            self.stats["new_rows"] += len(new)
         if self.current_batch is not None and len(self.upcoming):
             self.device_tier.needed_until[slots] = self.upcoming.lookup(ids, tables)
         return slots
@@ -331,6 +337,17 @@ class TableGroup:
 
     def _initial(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return initial_rows(self.seed, self.table_keys[tables], ids, self.dim, self.bounds[tables])
+
+    def _initialize(self, slots: np.ndarray, tables: np.ndarray, ids: np.ndarray) -> None:
+        """Device-tier rows at ``slots`` := initial weights and zero optimizer state."""
+        values = self.device_tier.values
+        if values.device.type == "cpu":
+            initialize_slots(self.seed, self.table_keys[tables], ids, self.dim, self.bounds[tables], values.numpy(),
+                             slots)
+            return
+        rows = torch.zeros(len(ids), self.width)
+        rows[:, : self.dim] = torch.from_numpy(self._initial(tables, ids))
+        values[torch.from_numpy(slots).to(values.device)] = rows.to(values.device)
 
     def _demote(self, rows: Rows) -> None:
         """Write dirty rows leaving the device tier into the host tier (or the SSD)."""
