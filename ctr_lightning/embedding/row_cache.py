@@ -18,6 +18,19 @@ def _touch(last_used, uses, slots, clock):
         uses[s] += 1
 
 
+@numba.njit(cache=True, nogil=True)
+def _claim(slots, tables, ids, clock, owner, slot_id, dirty, uses, needed_until, last_used):
+    """The bookkeeping of rows entering ``slots``, in one pass."""
+    for i in range(len(slots)):
+        s = slots[i]
+        owner[s] = tables[i] + 1
+        slot_id[s] = ids[i]
+        dirty[s] = False
+        uses[s] = 0
+        needed_until[s] = -1
+        last_used[s] = clock
+
+
 @dataclass
 class Rows:
     """Rows leaving or entering a tier: which (table, id), their values, and whether dirty."""
@@ -182,21 +195,23 @@ class RowCache:
         self.values[torch.from_numpy(slots).to(self.device)] = rows.values.to(self.device)
         return slots
 
-    def place(self, tables: np.ndarray, ids: np.ndarray, dirty: np.ndarray) -> np.ndarray:
+    def place(self, tables: np.ndarray, ids: np.ndarray, dirty: np.ndarray, absent: bool = False) -> np.ndarray:
         """Slots for these (table, id) pairs, taking free ones for those not here yet, with
-        the bookkeeping of :meth:`insert` but no values: the caller writes the rows."""
-        slots = self.lookup(tables, ids)
-        new = slots < 0
-        fresh = self._take_slots(int(new.sum()))
-        slots[new] = fresh
-        self.index.insert(ids[new], tables[new], fresh)
-        self.owner[fresh] = tables[new] + 1
-        self.slot_id[fresh] = ids[new]
-        self.dirty[fresh] = False
-        self.occupancy += np.bincount(tables[new], minlength=len(self.occupancy))
-        self.uses[fresh] = 0
-        self.needed_until[fresh] = -1
-        self.last_used[fresh] = self.clock
+        the bookkeeping of :meth:`insert` but no values: the caller writes the rows.
+        ``absent``: the caller knows none of them is here (skips a lookup)."""
+        if absent:
+            slots = self._take_slots(len(ids))
+            fresh_tables, fresh_ids, fresh = tables, ids, slots
+        else:
+            slots = self.lookup(tables, ids)
+            new = slots < 0
+            fresh = self._take_slots(int(new.sum()))
+            slots[new] = fresh
+            fresh_tables, fresh_ids = tables[new], ids[new]
+        self.index.insert(fresh_ids, fresh_tables, fresh)
+        _claim(fresh, fresh_tables, fresh_ids, self.clock, self.owner, self.slot_id, self.dirty, self.uses,
+               self.needed_until, self.last_used)
+        self.occupancy += np.bincount(fresh_tables, minlength=len(self.occupancy))
         self.dirty[slots] |= dirty
         return slots
 

@@ -237,7 +237,7 @@ class TableGroup:
             if len(old):
                 slots[old] = self.device_tier.insert(Rows(tables[old], ids[old], rows[torch.from_numpy(old)], clean[old]))
             # Rows never stored anywhere start from the initializer, written in place.
-            slots[new] = self.device_tier.place(tables[new], ids[new], clean[new])
+            slots[new] = self.device_tier.place(tables[new], ids[new], clean[new], absent=True)
             self._initialize(slots[new], tables[new], ids[new])
             self.stats["new_rows"] += len(new)
         if self.current_batch is not None and len(self.upcoming):
