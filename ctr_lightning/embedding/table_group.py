@@ -122,13 +122,10 @@ class TableGroup:
     # -- forward -------------------------------------------------------------------------
 
     def validate(self, tables: np.ndarray, ids: np.ndarray) -> None:
-        if not self.bounded.any():  # the common case, hashed ids: only the sign to check
-            if not len(ids) or ids.min() >= 0:
-                return
-            bad = ids < 0
-        else:
-            bad = ids < 0
-            bad |= self.bounded[tables] & (ids >= self.num_embeddings[tables])
+        if not self.bounded.any() and (not len(ids) or ids.min() >= 0):
+            return  # the common case, hashed ids: only the sign to check
+        bad = ids < 0
+        bad |= self.bounded[tables] & (ids >= self.num_embeddings[tables])
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             t = int(tables[i])
@@ -143,15 +140,8 @@ class TableGroup:
 
         With ``train``, the touched rows are updated by the sparse optimizer in backward.
         """
-        cached = self._cached_dedup(ids, tables)
-        if cached is None:
-            self.validate(tables, ids)
-            first, inverse, slots = self.device_tier.lookup_unique(tables, ids)
-            u_tables, u_ids = tables[first], ids[first]
-        else:
-            first, inverse = cached
-            u_tables, u_ids = tables[first], ids[first]
-            slots = self.device_tier.lookup(u_tables, u_ids)
+        first, inverse, slots = self._unique_slots(ids, tables)
+        u_tables, u_ids = tables[first], ids[first]
         miss = slots < 0
         self.stats["device_hits"] += int((~miss).sum())
         if miss.any():
@@ -246,14 +236,18 @@ class TableGroup:
 
     # -- working-set prefetch --------------------------------------------------------------
 
-    def _cached_dedup(self, ids: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        """The validated dedup :meth:`register` did on this same batch, if any (the cache
-        is keyed by the ids' memory and checked for equality)."""
+    def _unique_slots(self, ids: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(first, inverse, slots)`` of validated ids: the unique (table, id) pairs in order
+        of first appearance and their device-tier slots (-1: absent). Reuses the dedup that
+        :meth:`register` or :meth:`dedup_ahead` did on this same batch (the cache is keyed by
+        the ids' memory and checked for equality)."""
         cached = self._dedup_cache.pop(ids.ctypes.data, None) if self._dedup_cache else None
         if (cached is not None and len(cached[0]) == len(ids) and np.array_equal(cached[0], ids)
                 and np.array_equal(cached[1], tables)):
-            return cached[2], cached[3]
-        return None
+            first, inverse = cached[2], cached[3]
+            return first, inverse, self.device_tier.lookup(tables[first], ids[first])
+        self.validate(tables, ids)
+        return self.device_tier.lookup_unique(tables, ids)
 
     def dedup_ahead(self, ids: np.ndarray, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Validate and deduplicate ids before their lookup, which then reuses the result."""
@@ -280,15 +274,9 @@ class TableGroup:
         """
         if self.current_batch is None:
             self.current_batch = batch
-        cached = None if reuse_dedup else self._cached_dedup(ids, tables)
-        if cached is None:
-            self.validate(tables, ids)
-            first, inverse, slots = self.device_tier.lookup_unique(tables, ids)
-            if reuse_dedup:
-                self._remember_dedup(ids, tables, first, inverse)
-        else:
-            first = cached[0]
-            slots = self.device_tier.lookup(tables[first], ids[first])
+        first, inverse, slots = self._unique_slots(ids, tables)
+        if reuse_dedup:
+            self._remember_dedup(ids, tables, first, inverse)
         tables, ids = tables[first], ids[first]
         present = slots >= 0
         self.device_tier.needed_until[slots[present]] = batch
