@@ -3,7 +3,9 @@
 Two CPU processes (one "node" each, mode="all") train the DLRM on the synthetic demo
 data and, where ../shared/data is present, on the real Criteo sample; k=1 is
 synchronous data parallel training. Prints one table per dataset with AUC - AUC(k=1),
-after every epoch, averaged over seeds and paired by seed (+- one standard error); "16o" is k=16 with
+after every epoch, averaged over seeds and paired by seed (+- one standard error over seeds), and
+the standard error the validation set itself leaves on that difference ("val": DeLong's paired
+test on the same validation rows, for the seed-averaged difference); "16o" is k=16 with
 overlap=True (each merge applied k steps late), "16f" k=16 with Adam's moments averaged
 in float32 rather than the default bfloat16, "64w" (on request) k=64 after 64 synchronous
 warm-up steps.
@@ -31,6 +33,7 @@ SAMPLE = ROOT.parent / "shared" / "data" / "criteo_kaggle_sample"
 RANK_SCRIPT = r"""
 import json, sys
 import lightning.pytorch as pl
+import torch
 from ctr_lightning.datamodules import CriteoDataModule
 from ctr_lightning.models import DLRMModule
 from ctr_lightning.strategies import KStepAdamStrategy
@@ -42,17 +45,29 @@ pl.seed_everything(seed)
 dm = CriteoDataModule(train_paths=[train], val_paths=[val], batch_size=batch)
 model = DLRMModule(embedding_dim=16, num_embeddings=100_000, dense_arch_layer_sizes=[64],
                    over_arch_layer_sizes=[128, 64, 1], learning_rate=1e-3, sparse_learning_rate=0.01, seed=seed)
-aucs = []
+aucs, predictions = [], []
 
 class EpochAuc(pl.Callback):
+    # AUC after every epoch, and every validation row's prediction (for the paired test).
+    def on_validation_epoch_start(self, trainer, module):
+        self.rows = []
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
+        # Evaluation forwards are collective when the tables are sharded: both ranks run
+        # this for every batch, as they do validation_step.
+        self.rows += [(p, int(y)) for p, y in zip(torch.sigmoid(module(batch)).tolist(), batch.labels.tolist())]
+
     def on_validation_epoch_end(self, trainer, module):
         aucs.append(float(trainer.callback_metrics["val/auc"]))
+        parts = [None] * trainer.world_size
+        torch.distributed.all_gather_object(parts, self.rows)
+        predictions.append([row for part in parts for row in part])  # rank order: the same rows every run
 
 trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=KStepAdamStrategy(k=k, mode="all", **options),
                      max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, num_sanity_val_steps=0, callbacks=[EpochAuc()])
 trainer.fit(model, datamodule=dm)
-print("RESULT " + json.dumps({"aucs": aucs, "steps": trainer.global_step}))
+print("RESULT " + json.dumps({"aucs": aucs, "steps": trainer.global_step, "predictions": predictions}))
 import torch.distributed as _dist
 if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
     _dist.destroy_process_group()
@@ -81,6 +96,30 @@ CONFIGS = {"1": (1, {}), "4": (4, {}), "16": (16, {}), "64": (64, {}), "16o": (1
 DEFAULT_CONFIGS = "1,4,16,64,16o,16f"
 
 
+def placements(rows: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
+    """DeLong's structural components of one model's validation AUC: for every positive,
+    the share of negatives it outranks (ties count half), and for every negative the share
+    of positives that outrank it. AUC is the mean of either."""
+    scores = np.array([p for p, _ in rows])
+    labels = np.array([y for _, y in rows])
+    pos, neg = scores[labels == 1], scores[labels == 0]  # in row order: runs are paired row by row
+    # By rank (sorted searches), not by an all-pairs matrix: 50k rows would need gigabytes.
+    sorted_pos, sorted_neg = np.sort(pos), np.sort(neg)
+    v10 = (np.searchsorted(sorted_neg, pos, "left") + np.searchsorted(sorted_neg, pos, "right")) / (2 * len(neg))
+    v01 = 1.0 - (np.searchsorted(sorted_pos, neg, "left") + np.searchsorted(sorted_pos, neg, "right")) / (2 * len(pos))
+    return v10, v01
+
+
+def validation_error(runs: list[list[list[float]]], reference: list[list[list[float]]]) -> float:
+    """Standard error, over the choice of validation rows, of the seed-averaged AUC
+    difference between two configurations evaluated on the same rows (DeLong's paired
+    test). The seed error says how the difference moves with the initial weights; this one
+    says how far the validation set itself can pin it down."""
+    d10 = np.mean([placements(a)[0] - placements(b)[0] for a, b in zip(runs, reference)], axis=0)
+    d01 = np.mean([placements(a)[1] - placements(b)[1] for a, b in zip(runs, reference)], axis=0)
+    return float(np.sqrt(d10.var(ddof=1) / len(d10) + d01.var(ddof=1) / len(d01)))
+
+
 def table(name: str, train: Path, val: Path, epochs: int, batch: int, seeds: int, labels: list[str]) -> None:
     """AUC after each epoch per k, averaged over ``seeds`` seeds (initial weights), and the
     difference to k=1 paired by seed: on a small validation set the seed alone moves AUC
@@ -88,22 +127,26 @@ def table(name: str, train: Path, val: Path, epochs: int, batch: int, seeds: int
     print(f"\n{name}: 2 ranks x batch {batch}, {epochs} epoch(s), {seeds} seed(s)")
     configs = {label: CONFIGS[label] for label in ["1"] + [c for c in labels if c != "1"]}
     aucs: dict[str, list[list[float]]] = {c: [] for c in configs}
+    predictions: dict[str, list[list[list[list[float]]]]] = {c: [] for c in configs}  # [seed][epoch][row]
     steps = 0
     for seed in range(seeds):
         for label, (k, options) in configs.items():
             r = fit(k, train, val, epochs, batch, seed, options)
             aucs[label].append(r["aucs"])
+            predictions[label].append(r["predictions"])
             steps = r["steps"] // epochs
     base = np.array(aucs["1"])  # [seed, epoch]
     others = [c for c in configs if c != "1"]
-    print(f"{'epoch':>6}{'steps':>7}{'AUC(k=1)':>10}" + "".join(f"{f'k={c} - k=1':>18}" for c in others))
+    print("each cell: mean over seeds +- its standard error over seeds (val: over the validation rows, DeLong)")
+    print(f"{'epoch':>6}{'steps':>7}{'AUC(k=1)':>10}" + "".join(f"{f'k={c} - k=1':>31}" for c in others))
     for e in range(epochs):
         cells = []
         for c in others:
             diff = np.array(aucs[c])[:, e] - base[:, e]
             error = diff.std(ddof=1) / np.sqrt(len(diff)) if len(diff) > 1 else 0.0
-            cells.append(f"{diff.mean():+.4f} +- {error:.4f}")
-        print(f"{e + 1:>6}{(e + 1) * steps:>7}{base[:, e].mean():>10.4f}" + "".join(f"{c:>18}" for c in cells),
+            val_error = validation_error([p[e] for p in predictions[c]], [p[e] for p in predictions["1"]])
+            cells.append(f"{diff.mean():+.4f} +- {error:.4f} (val {val_error:.4f})")
+        print(f"{e + 1:>6}{(e + 1) * steps:>7}{base[:, e].mean():>10.4f}" + "".join(f"{c:>31}" for c in cells),
               flush=True)
 
 
