@@ -47,10 +47,10 @@ def apply_update(optimizer: SparseOptimizer, rows: torch.Tensor, grad: torch.Ten
         # The operation order of torch.optim.SparseAdam, so results agree to the last bits.
         m_new = m + (grad - m) * (1 - beta1)
         v_new = v + (grad.pow(2) - v) * (1 - beta2)
-        step = step.to(grad.dtype).unsqueeze(1)
-        bias1 = 1 - beta1**step
-        bias2 = 1 - beta2**step
-        step_size = optimizer.lr * bias2.sqrt() / bias1
+        # Bias corrections in float64, as torch.optim.SparseAdam (Python floats) and the fused
+        # CPU kernel compute them: in float32, 1 - 0.999**step is off by up to 1e-5 relative.
+        step = step.to(torch.float64).unsqueeze(1)
+        step_size = (optimizer.lr * (1 - beta2**step).sqrt() / (1 - beta1**step)).to(grad.dtype)
         out[:, dim : 2 * dim] = m_new
         out[:, 2 * dim :] = v_new
         out[:, :dim] = w - step_size * (m_new / (v_new.sqrt() + optimizer.eps))

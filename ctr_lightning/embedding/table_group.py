@@ -365,10 +365,13 @@ class TableGroup:
         if isinstance(grad, _CpuBackward):
             self._update_cpu(slots, tables, grad)
         else:
-            index = torch.from_numpy(slots).to(grad.device)
+            # On the storage's device, which is where the rows are even if the module moved
+            # between forward and backward.
+            device = self.device_tier.values.device
+            index = torch.from_numpy(slots).to(device)
             rows = self.device_tier.values.index_select(0, index)
-            step_t = torch.from_numpy(self.steps[tables]).to(grad.device)
-            self.device_tier.values.index_copy_(0, index, apply_update(self.optimizer, rows, grad, step_t))
+            step_t = torch.from_numpy(self.steps[tables]).to(device)
+            self.device_tier.values.index_copy_(0, index, apply_update(self.optimizer, rows, grad.to(device), step_t))
         self.device_tier.dirty[slots] = True
         self._pinned = [p for p in self._pinned if p is not slots]
 

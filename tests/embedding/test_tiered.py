@@ -295,16 +295,20 @@ def test_ssd_log_compacts_and_keeps_the_latest_rows(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_device_tier_in_gpu_memory_matches_cpu(tmp_path):
+@pytest.mark.parametrize("cpu_steps", [0, 5])  # moved before first use (as Lightning does), or with rows held
+def test_device_tier_in_gpu_memory_matches_cpu(tmp_path, cpu_steps):
     optimizer = SparseAdam(lr=0.05)
     cpu = TieredEmbeddingBagCollection(TABLES, storage=tiny_tiers(tmp_path / "cpu"), optimizer=optimizer)
-    gpu = TieredEmbeddingBagCollection(TABLES, storage=tiny_tiers(tmp_path / "gpu"), optimizer=optimizer).cuda()
-    assert gpu._built().groups[0].device_tier.values.is_cuda  # the device tier followed .cuda()
-    for kjt, target in workload(0, 20):
+    gpu = TieredEmbeddingBagCollection(TABLES, storage=tiny_tiers(tmp_path / "gpu"), optimizer=optimizer)
+    for step, (kjt, target) in enumerate(workload(0, 20)):
+        if step == cpu_steps:
+            gpu = gpu.cuda()  # after cpu_steps steps, move_device_tier carries rows and their Adam state
+            assert gpu._built().groups[0].device_tier.values.is_cuda
         loss_of(cpu(kjt), target).backward()
-        out = gpu(kjt.to("cuda"))
-        assert out.values().is_cuda
-        loss_of(out, target.cuda()).backward()
+        device = "cuda" if step >= cpu_steps else "cpu"
+        out = gpu(kjt.to(device))
+        assert out.values().device.type == device
+        loss_of(out, target.to(device)).backward()
     for t in TABLES:
         torch.testing.assert_close(gpu.rows(t.name, np.arange(ROWS)), cpu.rows(t.name, np.arange(ROWS)),
                                    atol=1e-5, rtol=0)
