@@ -69,7 +69,9 @@ class KStepAdamStrategy(DDPStrategy):
     validation starts during fit and when fit ends, so validation, the checkpoint after it
     and the model fit returns are the one merged model (:meth:`merge_local_steps`; it
     runs after callbacks' own ``on_validation_start`` / ``on_train_end``). Merges every
-    k steps keep their schedule.
+    k steps keep their schedule. A checkpoint saved between merges holds the merged model
+    and moments as well, averaged from copies, so saving it does not change training
+    (:meth:`lightning_module_state_dict`).
 
     The node layout is ``local_world_size`` ranks per node (default: the launcher's
     ``LOCAL_WORLD_SIZE``, else Lightning's devices per node). Logged every step: bytes
@@ -122,6 +124,8 @@ class KStepAdamStrategy(DDPStrategy):
         self.merges = 0
         self._last_merge_step = 0  # ranks were equal after this many optimizer steps
         self.last_divergence: float | None = None
+        # Between merges: (optimizer step, id of a live moment -> its merged copy) for the checkpoint being built.
+        self._checkpoint_moments: tuple[int, dict[int, torch.Tensor]] | None = None
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -279,17 +283,60 @@ class KStepAdamStrategy(DDPStrategy):
         self.merges += 1
         return {"kstep/divergence": self.last_divergence, "kstep/merge_wait_ms": waited}
 
+    def _local_steps_pending(self) -> bool:
+        """Whether the ranks took steps on their own since they were last equal."""
+        return (self.k > 1 and self.world_size > 1 and self.average is not None
+                and self.optimizer_steps > max(self.warmup_steps, self._last_merge_step))
+
     def merge_local_steps(self) -> None:
         """Collective: merge now whatever the ranks stepped on their own since the last
         merge (an overlapped merge in flight is applied first), so they hold one model."""
         # Validation runs under inference mode; the merged tensors must stay normal ones.
         with torch.inference_mode(False), torch.no_grad():
             metrics = self._apply_overlapped()
-            if self.k > 1 and self.world_size > 1 and self.optimizer_steps > max(self.warmup_steps,
-                                                                                 self._last_merge_step):
+            if self._local_steps_pending():
                 metrics.update(self.merge())
                 self._last_merge_step = self.optimizer_steps
         self._log(metrics)
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's state; between merges, the merged model's.
+
+        Every rank builds a checkpoint (rank 0 writes it), so between merges this averages
+        copies of the ranks' models and Adam moments (:meth:`optimizer_state` hands the
+        moments out). The ranks' own models are left as they are: saving a checkpoint does
+        not change training. With ``overlap=True`` a merge is in flight and the checkpoint
+        holds rank 0's model.
+        """
+        state = super().lightning_module_state_dict()
+        self._checkpoint_moments = None
+        if not self._local_steps_pending() or self.overlapped is not None:
+            return state
+        live = self._merged_tensors()
+        with torch.inference_mode(False), torch.no_grad():
+            merged = live.with_tensors([t.detach().clone() for t in live.tensors])
+            merged.average_with(self.average)
+        # The state dict holds detached views of the live tensors: swap in the merged copies.
+        copies = {(t.data_ptr(), t.shape, t.dtype): m for t, m in zip(live.exact, merged.exact) if t.numel()}
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor) and value.numel():
+                state[name] = copies.get((value.data_ptr(), value.shape, value.dtype), value)
+        self._checkpoint_moments = (self.optimizer_steps,
+                                    {id(t): m for t, m in zip(live.moments, merged.moments)})
+        return state
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        if self._checkpoint_moments is None or self._checkpoint_moments[0] != self.optimizer_steps:
+            return state
+        moments = self._checkpoint_moments[1]
+        # New dicts: the optimizer's state_dict shares its per-parameter dicts with the optimizer.
+        return {**state, "state": {index: {name: moments.get(id(value), value) for name, value in per_param.items()}
+                                   for index, per_param in state["state"].items()}}
 
     @override
     def on_validation_start(self) -> None:

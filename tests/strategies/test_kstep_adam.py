@@ -50,7 +50,7 @@ class TwoOptimizers(MLP):
         return [torch.optim.Adam(self.net[0].parameters(), lr=0.01),
                 torch.optim.Adam(self.net[2].parameters(), lr=0.01)]
 
-history, stepped, moments, stepped_moments, validated = [], [], [], [], []
+history, stepped, moments, stepped_moments, validated, started = [], [], [], [], [], []
 
 def flat(module):
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).clone()
@@ -67,6 +67,8 @@ class Record(pl.Callback):
             stepped.append(flat(module))
             stepped_moments.append(flat_moments(trainer))
         trainer.optimizers[0].register_step_post_hook(after_step)
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        started.append((flat(module), flat_moments(trainer)))
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         history.append(flat(module))
         moments.append(flat_moments(trainer))
@@ -81,10 +83,15 @@ data = TensorDataset(x, x.sum(1) + 0.1 * torch.randn(512, generator=g))
 kind = config.pop("strategy")
 optimizer = config.pop("optimizer", "adam")
 val_check_interval = config.pop("val_check_interval", None)
+checkpoint_every = config.pop("checkpoint_every", None)
+callbacks = [Record()]
+if checkpoint_every:
+    callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), filename="{step}",
+                                                  every_n_train_steps=checkpoint_every, save_top_k=-1))
 strategy = "ddp" if kind == "ddp" else KStepAdamStrategy(**config)
 trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")), strategy=strategy,
-                     max_steps=12, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                     enable_model_summary=False, callbacks=[Record()], val_check_interval=val_check_interval,
+                     max_steps=12, logger=False, enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False,
+                     enable_model_summary=False, callbacks=callbacks, val_check_interval=val_check_interval,
                      limit_val_batches=2 if val_check_interval else 0)
 try:
     trainer.fit(TwoOptimizers() if optimizer == "two_adam" else MLP(optimizer), DataLoader(data, batch_size=16),
@@ -95,7 +102,7 @@ except ValueError as e:
 opt = trainer.optimizers[0]
 state = [opt.state[p] for p in trainer.lightning_module.parameters()]
 torch.save({"history": history, "stepped": stepped, "moments": moments, "stepped_moments": stepped_moments,
-            "validated": validated, "final": flat(trainer.lightning_module),
+            "validated": validated, "started": started, "final": flat(trainer.lightning_module),
             "exp_avg": [s.get("exp_avg") for s in state]},
            os.path.join(out_dir, f"{kind}_{rank}.pt"))
 result = {"rank": rank}
@@ -178,6 +185,34 @@ def test_validation_sees_the_merged_model_and_the_schedule_goes_on(tmp_path, run
     assert torch.equal(a["history"][7], b["history"][7])
     assert torch.equal(a["validated"][1][1], b["validated"][1][1])  # step 12 merged on schedule
     assert [r["merges"] for r in results] == [4, 4]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_between_merges_holds_the_merged_model_and_training_goes_on(tmp_path, run_ranks):
+    results = _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", checkpoint_every=6,
+                   moment_dtype="float32")
+    a, b = (_history(tmp_path, "kstep", r) for r in range(2))
+
+    def saved(step):
+        ckpt = torch.load(tmp_path / "ckpt" / f"step={step}.ckpt", weights_only=False)
+        model = torch.cat([v.reshape(-1) for v in ckpt["state_dict"].values()])
+        adam = ckpt["optimizer_states"][0]["state"]
+        return model, torch.cat([adam[i][name].reshape(-1) for i in sorted(adam) for name in ("exp_avg", "exp_avg_sq")])
+
+    # Step 6 lies between the merges after steps 4 and 8: the checkpoint holds the ranks' mean ...
+    model, moments = saved(6)
+    assert not torch.equal(a["stepped"][5], b["stepped"][5])
+    torch.testing.assert_close(model, (a["stepped"][5] + b["stepped"][5]) / 2, atol=1e-7, rtol=0)
+    torch.testing.assert_close(moments, (a["stepped_moments"][5] + b["stepped_moments"][5]) / 2, atol=1e-9, rtol=1e-7)
+    # ... while each rank trains on from its own model and moments, as without the checkpoint.
+    for rank in (a, b):
+        assert torch.equal(rank["started"][6][0], rank["stepped"][5])
+        assert torch.equal(rank["started"][6][1], rank["stepped_moments"][5])
+    assert [r["merges"] for r in results] == [3, 3]  # after steps 4, 8 and 12: no extra merge
+    # Step 12 merged on schedule: the checkpoint is that model.
+    model, moments = saved(12)
+    assert torch.equal(model, a["history"][11]) and torch.equal(model, b["history"][11])
+    assert torch.equal(moments, a["moments"][11])
 
 
 @pytest.mark.slow
