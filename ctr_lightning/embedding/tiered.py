@@ -173,6 +173,11 @@ class TieredEmbeddingBagCollection(nn.Module):
         return self._is_weighted
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        device = features.values().device
+        if self._device.type == "cpu" and device.type != "cpu":
+            # Else the CPU kernels fail deep inside on a tensor they cannot read.
+            raise ValueError(f"{type(self).__name__}: tables {[t.name for t in self._tables]} are in cpu memory but "
+                             f"the KJT is on {device}; move the module first (.to({str(device)!r}), as Lightning does)")
         train = self.training and torch.is_grad_enabled()
         pooled = self._built().forward(features, train)
         return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=pooled)

@@ -204,6 +204,11 @@ def test_bad_inputs_name_table_and_cause(tmp_path):
     ebc(kjt([1, 10**15, 2, 3]))  # hashed tables take any non-negative id
     with pytest.raises(KeyError, match=r"lacks features \['f3'\] of tables \['t2'\]"):
         ebc(kjt([1, 2, 3], keys=("f0", "f1", "f2")))
+    # A batch on an accelerator (meta stands in for CUDA here) while the tables sit in CPU memory.
+    elsewhere = KeyedJaggedTensor(keys=["f0", "f1", "f2", "f3"], values=torch.zeros(4, dtype=torch.long, device="meta"),
+                                  lengths=torch.ones(4, dtype=torch.int32, device="meta"))
+    with pytest.raises(ValueError, match=r"tables \['t0', 't1', 't2'\] are in cpu memory but the KJT is on meta"):
+        ebc(elsewhere)
     with pytest.raises(ValueError, match="needs StorageConfig.ssd_dir"):
         TieredEmbeddingBagCollection(TABLES, storage=StorageConfig(host_rows=10))
 
