@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT.parent / "shared" / "data" / "criteo_kaggle_sample"
 
 RANK_SCRIPT = r"""
-import json, sys
+import json, os, sys
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from ctr_lightning.datamodules import CriteoDataModule
 from ctr_lightning.models import DLRMModule
@@ -42,34 +43,35 @@ from ctr_lightning.strategies import KStepAdamStrategy
 
 k, train, val, epochs, batch, seed = (int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]),
                                       int(sys.argv[6]))
-options = json.loads(sys.argv[7])
+options, out_dir = json.loads(sys.argv[7]), sys.argv[8]
 pl.seed_everything(seed)
 dm = CriteoDataModule(train_paths=[train], val_paths=[val], batch_size=batch)
 model = DLRMModule(embedding_dim=16, num_embeddings=100_000, dense_arch_layer_sizes=[64],
                    over_arch_layer_sizes=[128, 64, 1], learning_rate=1e-3, sparse_learning_rate=0.01, seed=seed)
-aucs, predictions = [], []
+aucs = []
 
 class EpochAuc(pl.Callback):
-    # AUC after every epoch, and every validation row's prediction (for the paired test).
+    # AUC after every epoch; every validation row's prediction goes to a file per rank
+    # and epoch (for the paired test), not through the process pipes.
     def on_validation_epoch_start(self, trainer, module):
-        self.rows = []
+        self.scores, self.labels = [], []
 
     def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0):
         # Evaluation forwards are collective when the tables are sharded: both ranks run
         # this for every batch, as they do validation_step.
-        self.rows += [(p, int(y)) for p, y in zip(torch.sigmoid(module(batch)).tolist(), batch.labels.tolist())]
+        self.scores.append(torch.sigmoid(module(batch)).float().numpy())
+        self.labels.append(batch.labels.numpy().astype(np.int8))
 
     def on_validation_epoch_end(self, trainer, module):
         aucs.append(float(trainer.callback_metrics["val/auc"]))
-        parts = [None] * trainer.world_size
-        torch.distributed.all_gather_object(parts, self.rows)
-        predictions.append([row for part in parts for row in part])  # rank order: the same rows every run
+        np.savez(os.path.join(out_dir, f"rank{trainer.global_rank}_epoch{len(aucs) - 1}.npz"),
+                 scores=np.concatenate(self.scores), labels=np.concatenate(self.labels))
 
 trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=KStepAdamStrategy(k=k, mode="all", **options),
                      max_epochs=epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, num_sanity_val_steps=0, callbacks=[EpochAuc()])
 trainer.fit(model, datamodule=dm)
-print("RESULT " + json.dumps({"aucs": aucs, "steps": trainer.global_step, "predictions": predictions}))
+print("RESULT " + json.dumps({"aucs": aucs, "steps": trainer.global_step}))
 import torch.distributed as _dist
 if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
     _dist.destroy_process_group()
@@ -77,19 +79,29 @@ if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-tim
 
 
 def fit(k: int, train: Path, val: Path, epochs: int, batch: int, seed: int = 0, options: dict | None = None) -> dict:
+    """One 2-rank run: its AUC per epoch, steps, and per epoch the validation rows'
+    ``(scores, labels)`` in rank order (the same rows in every run)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", LOCAL_RANK="0",
                PYTHONWARNINGS="ignore")
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(k), str(train), str(val), str(epochs),
-                               str(batch), str(seed), json.dumps(options or {})], env=dict(env, NODE_RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=3600) for p in procs]
-    line = next((l for l in outs[0][0].splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
-        raise RuntimeError(f"k={k} failed:\n{outs[0][1][-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(k), str(train), str(val), str(epochs),
+                                   str(batch), str(seed), json.dumps(options or {}), out_dir],
+                                  env=dict(env, NODE_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for r in range(2)]
+        outs = [p.communicate(timeout=3600) for p in procs]
+        line = next((l for l in outs[0][0].splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+            raise RuntimeError(f"k={k} failed:\n{outs[0][1][-3000:]}")
+        result = json.loads(line[len("RESULT "):])
+        result["predictions"] = []
+        for epoch in range(len(result["aucs"])):
+            parts = [np.load(Path(out_dir) / f"rank{r}_epoch{epoch}.npz") for r in range(2)]
+            result["predictions"].append((np.concatenate([p["scores"] for p in parts]),
+                                          np.concatenate([p["labels"] for p in parts])))
+    return result
 
 
 # label: (k, further KStepAdamStrategy arguments); "1" is the reference every other is paired with.
@@ -98,12 +110,10 @@ CONFIGS = {"1": (1, {}), "4": (4, {}), "16": (16, {}), "64": (64, {}), "16o": (1
 DEFAULT_CONFIGS = "1,4,16,64,16o,16f"
 
 
-def placements(rows: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
+def placements(scores: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """DeLong's structural components of one model's validation AUC: for every positive,
     the share of negatives it outranks (ties count half), and for every negative the share
     of positives that outrank it. AUC is the mean of either."""
-    scores = np.array([p for p, _ in rows])
-    labels = np.array([y for _, y in rows])
     pos, neg = scores[labels == 1], scores[labels == 0]  # in row order: runs are paired row by row
     # By rank (sorted searches), not by an all-pairs matrix: 50k rows would need gigabytes.
     sorted_pos, sorted_neg = np.sort(pos), np.sort(neg)
@@ -112,14 +122,23 @@ def placements(rows: list[list[float]]) -> tuple[np.ndarray, np.ndarray]:
     return v10, v01
 
 
-def validation_error(runs: list[list[list[float]]], reference: list[list[list[float]]]) -> float:
+Predictions = tuple[np.ndarray, np.ndarray]  # (scores, labels) of the validation rows, in a fixed order
+
+
+def validation_error(runs: list[Predictions], reference: list[Predictions]) -> float:
     """Standard error, over the choice of validation rows, of the seed-averaged AUC
     difference between two configurations evaluated on the same rows (DeLong's paired
     test). The seed error says how the difference moves with the initial weights; this one
     says how far the validation set itself can pin it down."""
-    d10 = np.mean([placements(a)[0] - placements(b)[0] for a, b in zip(runs, reference)], axis=0)
-    d01 = np.mean([placements(a)[1] - placements(b)[1] for a, b in zip(runs, reference)], axis=0)
-    return float(np.sqrt(d10.var(ddof=1) / len(d10) + d01.var(ddof=1) / len(d01)))
+    d10, d01 = [], []
+    for (scores, labels), (ref_scores, ref_labels) in zip(runs, reference):
+        if not np.array_equal(labels, ref_labels):
+            raise RuntimeError("paired runs saw different validation rows")
+        (a10, a01), (b10, b01) = placements(scores, labels), placements(ref_scores, ref_labels)
+        d10.append(a10 - b10)
+        d01.append(a01 - b01)
+    m10, m01 = np.mean(d10, axis=0), np.mean(d01, axis=0)
+    return float(np.sqrt(m10.var(ddof=1) / len(m10) + m01.var(ddof=1) / len(m01)))
 
 
 def table(name: str, train: Path, val: Path, epochs: int, batch: int, seeds: int, labels: list[str]) -> None:
@@ -129,7 +148,7 @@ def table(name: str, train: Path, val: Path, epochs: int, batch: int, seeds: int
     print(f"\n{name}: 2 ranks x batch {batch}, {epochs} epoch(s), {seeds} seed(s)")
     configs = {label: CONFIGS[label] for label in ["1"] + [c for c in labels if c != "1"]}
     aucs: dict[str, list[list[float]]] = {c: [] for c in configs}
-    predictions: dict[str, list[list[list[list[float]]]]] = {c: [] for c in configs}  # [seed][epoch][row]
+    predictions: dict[str, list[list[Predictions]]] = {c: [] for c in configs}  # [seed][epoch]
     steps = 0
     for seed in range(seeds):
         for label, (k, options) in configs.items():

@@ -124,8 +124,9 @@ class KStepAdamStrategy(DDPStrategy):
         self.merges = 0
         self._last_merge_step = 0  # ranks were equal after this many optimizer steps
         self.last_divergence: float | None = None
-        # Between merges: (optimizer step, id of a live moment -> its merged copy) for the checkpoint being built.
-        self._checkpoint_moments: tuple[int, dict[int, torch.Tensor]] | None = None
+        # While a checkpoint is built between merges: (optimizer step, the live tensors,
+        # id of a live moment -> its merged copy once averaged).
+        self._checkpoint_moments: tuple[int, MergedTensors, dict[int, torch.Tensor] | None] | None = None
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -198,6 +199,7 @@ class KStepAdamStrategy(DDPStrategy):
     ) -> Any:
         before = self.comm_bytes()
         synchronous = self._synchronous()
+        self._checkpoint_moments = None  # the last checkpoint's copies: not kept past it
 
         def closure_then_average() -> Any:
             result = closure()
@@ -306,36 +308,44 @@ class KStepAdamStrategy(DDPStrategy):
         """The model's state; between merges, the merged model's.
 
         Every rank builds a checkpoint (rank 0 writes it), so between merges this averages
-        copies of the ranks' models and Adam moments (:meth:`optimizer_state` hands the
-        moments out). The ranks' own models are left as they are: saving a checkpoint does
-        not change training. With ``overlap=True`` a merge is in flight and the checkpoint
-        holds rank 0's model.
+        copies of the ranks' models, and :meth:`optimizer_state` copies of their Adam
+        moments. The ranks' own models are left as they are: saving a checkpoint does not
+        change training. With ``overlap=True``, and when saving after an exception (the
+        other ranks may not be saving), the checkpoint holds this rank's model.
         """
         state = super().lightning_module_state_dict()
         self._checkpoint_moments = None
-        if not self._local_steps_pending() or self.overlapped is not None:
+        trainer = self.lightning_module.trainer
+        if not self._local_steps_pending() or self.overlapped is not None or trainer.interrupted:
             return state
         live = self._merged_tensors()
         with torch.inference_mode(False), torch.no_grad():
-            merged = live.with_tensors([t.detach().clone() for t in live.tensors])
-            merged.average_with(self.average)
+            exact = [t.detach().clone() for t in live.exact]
+            self.average(exact)
         # The state dict holds detached views of the live tensors: swap in the merged copies.
-        copies = {(t.data_ptr(), t.shape, t.dtype): m for t, m in zip(live.exact, merged.exact) if t.numel()}
+        copies = {(t.data_ptr(), t.shape, t.dtype): m for t, m in zip(live.exact, exact) if t.numel()}
         for name, value in state.items():
             if isinstance(value, torch.Tensor) and value.numel():
                 state[name] = copies.get((value.data_ptr(), value.shape, value.dtype), value)
-        self._checkpoint_moments = (self.optimizer_steps,
-                                    {id(t): m for t, m in zip(live.moments, merged.moments)})
+        # Moments are averaged only if the checkpoint asks for optimizer states (not weights-only).
+        self._checkpoint_moments = (self.optimizer_steps, live, None)
         return state
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
-        if self._checkpoint_moments is None or self._checkpoint_moments[0] != self.optimizer_steps:
+        pending = self._checkpoint_moments
+        if pending is None or pending[0] != self.optimizer_steps or not pending[1].moments or "state" not in state:
             return state
-        moments = self._checkpoint_moments[1]
+        step, live, merged = pending
+        if merged is None:  # the first optimizer asked: average every optimizer's moments once
+            with torch.inference_mode(False), torch.no_grad():
+                copies = [t.detach().clone() for t in live.moments]
+                self.average(copies, wire_dtype=self.moment_dtype)
+            merged = {id(t): m for t, m in zip(live.moments, copies)}
+            self._checkpoint_moments = (step, live, merged)
         # New dicts: the optimizer's state_dict shares its per-parameter dicts with the optimizer.
-        return {**state, "state": {index: {name: moments.get(id(value), value) for name, value in per_param.items()}
+        return {**state, "state": {index: {name: merged.get(id(value), value) for name, value in per_param.items()}
                                    for index, per_param in state["state"].items()}}
 
     @override

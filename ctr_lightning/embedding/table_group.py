@@ -365,8 +365,7 @@ class TableGroup:
         if isinstance(grad, _CpuBackward):
             self._update_cpu(slots, tables, grad)
         else:
-            # On the storage's device, which is where the rows are even if the module moved
-            # between forward and backward.
+            # On the storage's device, where the rows are (not necessarily the gradient's).
             device = self.device_tier.values.device
             index = torch.from_numpy(slots).to(device)
             rows = self.device_tier.values.index_select(0, index)

@@ -185,7 +185,9 @@ class TieredEmbeddingBagCollection(nn.Module):
     def _apply(self, fn: Any, recurse: bool = True) -> TieredEmbeddingBagCollection:
         # .to(device) / .cuda() (Lightning calls them) move the device tier with the module.
         super()._apply(fn, recurse)
-        device = fn(torch.empty(0)).device
+        # Probed on the current device: a dtype-only conversion (.float(), .to(torch.bfloat16))
+        # must leave the tier where it is.
+        device = fn(torch.empty(0, device=self._device)).device
         if device != self._device:
             if self._kernel == "numba" and device.type != "cpu":
                 raise ValueError("kernel='numba' needs the device tier in CPU memory")

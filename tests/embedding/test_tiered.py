@@ -299,6 +299,13 @@ def test_ssd_log_compacts_and_keeps_the_latest_rows(tmp_path):
     assert store.records <= 2 * len(keys) + 1000 + 500
 
 
+def test_dtype_conversions_leave_the_device_tier_where_it_is():
+    # meta stands in for CUDA: .float() / .double() on the module must not pull the tier to CPU.
+    ebc = TieredEmbeddingBagCollection(TABLES, device="meta")
+    ebc.double()
+    assert ebc._device == torch.device("meta")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("cpu_steps", [0, 5])  # moved before first use (as Lightning does), or with rows held
 def test_device_tier_in_gpu_memory_matches_cpu(tmp_path, cpu_steps):
