@@ -124,9 +124,9 @@ class KStepAdamStrategy(DDPStrategy):
         self.merges = 0
         self._last_merge_step = 0  # ranks were equal after this many optimizer steps
         self.last_divergence: float | None = None
-        # While a checkpoint is built between merges: (optimizer step, the live tensors,
-        # id of a live moment -> its merged copy once averaged).
-        self._checkpoint_moments: tuple[int, MergedTensors, dict[int, torch.Tensor] | None] | None = None
+        # While a checkpoint is built between merges (dropped at the next step): the live
+        # tensors, and id of a live moment -> its merged copy once averaged.
+        self._checkpoint_moments: tuple[MergedTensors, dict[int, torch.Tensor] | None] | None = None
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -328,22 +328,21 @@ class KStepAdamStrategy(DDPStrategy):
             if isinstance(value, torch.Tensor) and value.numel():
                 state[name] = copies.get((value.data_ptr(), value.shape, value.dtype), value)
         # Moments are averaged only if the checkpoint asks for optimizer states (not weights-only).
-        self._checkpoint_moments = (self.optimizer_steps, live, None)
+        self._checkpoint_moments = (live, None)
         return state
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         state = super().optimizer_state(optimizer)
-        pending = self._checkpoint_moments
-        if pending is None or pending[0] != self.optimizer_steps or not pending[1].moments or "state" not in state:
+        if self._checkpoint_moments is None or not self._checkpoint_moments[0].moments or "state" not in state:
             return state
-        step, live, merged = pending
+        live, merged = self._checkpoint_moments
         if merged is None:  # the first optimizer asked: average every optimizer's moments once
             with torch.inference_mode(False), torch.no_grad():
                 copies = [t.detach().clone() for t in live.moments]
                 self.average(copies, wire_dtype=self.moment_dtype)
             merged = {id(t): m for t, m in zip(live.moments, copies)}
-            self._checkpoint_moments = (step, live, merged)
+            self._checkpoint_moments = (live, merged)
         # New dicts: the optimizer's state_dict shares its per-parameter dicts with the optimizer.
         return {**state, "state": {index: {name: merged.get(id(value), value) for name, value in per_param.items()}
                                    for index, per_param in state["state"].items()}}
