@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
+from pathlib import Path
 from argparse import RawDescriptionHelpFormatter
 from typing import Any
 
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
 from ctr_lightning.datamodules import (
     AvazuDataModule,
@@ -41,6 +44,42 @@ class CTRLightningCLI(LightningCLI):
         # The data decides the features; the model's tables follow them.
         parser.link_arguments("data.sparse_feature_names", "model.sparse_feature_names", apply_on="instantiate")
         parser.link_arguments("data.num_dense_features", "model.num_dense_features", apply_on="instantiate")
+
+    def before_instantiate_classes(self) -> None:
+        if self.subcommand == "fit":
+            continue_last_run(self.config["fit"])
+
+
+def continue_last_run(config: Any) -> None:
+    """``fit --ckpt_path last`` resumes the newest run of the configured logger, in its own
+    log directory.
+
+    Lightning looks for ``last.ckpt`` in the checkpoint directory of *this* run, which for
+    a logger with automatic versions is a new, empty ``version_N``, so a resume would
+    quietly start from scratch. Here the logger's version is set to the newest earlier
+    version that holds a ``last*.ckpt`` (when none is set and no ModelCheckpoint names its
+    own ``dirpath``): Lightning then finds that checkpoint, and the resumed run logs on
+    into the same TensorBoard directory.
+    """
+    if config.get("ckpt_path") != "last":
+        return
+    trainer = config.get("trainer") or {}
+    logger = trainer.get("logger")
+    if not hasattr(logger, "get") or logger.get("init_args") is None:
+        return  # no logger, several loggers, or True (Lightning's default, which resolves its own)
+    args = logger["init_args"]
+    if args.get("version") is not None or args.get("save_dir") is None:
+        return
+    for callback in trainer.get("callbacks") or []:
+        if "ModelCheckpoint" in str(callback.get("class_path", "")) and (callback.get("init_args") or {}).get("dirpath"):
+            return  # checkpoints in a fixed directory: Lightning finds last.ckpt there itself
+    runs = Path(args["save_dir"]) / (args.get("name") or "")
+    versions = [(int(m.group(1)), d) for d in runs.glob("version_*")
+                if (m := re.fullmatch(r"version_(\d+)", d.name)) and any((d / "checkpoints").glob("last*.ckpt"))]
+    if versions:
+        version = max(versions)[0]
+        args["version"] = version
+        rank_zero_info(f"--ckpt_path last: resuming {runs / f'version_{version}'}, logging on into it")
 
 
 def _datamodule_help() -> str:

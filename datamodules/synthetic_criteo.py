@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
+from ctr_lightning.checkpoint_safe import checkpoint_safe
 from ctr_lightning.hashing import mix32, splitmix64, unit_variance, uniform01
 
 # Distinct values per feature in the Criteo Kaggle (Display Advertising Challenge) train set.
@@ -50,6 +51,7 @@ _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _NIBBLE_SHIFTS = np.arange(28, -1, -4, dtype=np.uint32)
 
 
+@checkpoint_safe
 @dataclass(frozen=True)
 class SyntheticCriteoSpec:
     """The planted world behind a synthetic Criteo log.

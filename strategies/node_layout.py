@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ctr_lightning.checkpoint_safe import checkpoint_safe
 
+
+@checkpoint_safe
 @dataclass(frozen=True)
 class NodeLayout:
     """Ranks ``[node * local_world_size, (node + 1) * local_world_size)`` share a node.

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ctr_lightning.checkpoint_safe import checkpoint_safe
 
+
+@checkpoint_safe
 @dataclass(frozen=True)
 class SparseSGD:
     """Plain SGD on the touched rows.
@@ -25,6 +28,7 @@ class SparseSGD:
             raise ValueError(f"{type(self).__name__}: lr must be > 0, got {self.lr}")
 
 
+@checkpoint_safe
 @dataclass(frozen=True)
 class SparseAdagrad(SparseSGD):
     """Adagrad with one accumulator per element.
@@ -42,6 +46,7 @@ class SparseAdagrad(SparseSGD):
         _check_eps(self)
 
 
+@checkpoint_safe
 @dataclass(frozen=True)
 class RowWiseAdagrad(SparseAdagrad):
     """Adagrad with one accumulator per row (the mean of the squared gradient).
@@ -52,6 +57,7 @@ class RowWiseAdagrad(SparseAdagrad):
     """
 
 
+@checkpoint_safe
 @dataclass(frozen=True)
 class SparseAdam(SparseSGD):
     """Lazy Adam: per-element moments, bias-corrected, updated only for touched rows.

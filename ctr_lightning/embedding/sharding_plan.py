@@ -10,11 +10,14 @@ import numpy as np
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+from ctr_lightning.checkpoint_safe import checkpoint_safe
+
 ShardingKind = Literal["row_wise", "table_wise"]
 _KINDS = ("row_wise", "table_wise")
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 
 
+@checkpoint_safe
 @dataclass(frozen=True)
 class TableSharding:
     """How one table is split over ranks: ``row_wise`` over all ranks, or whole on ``owner``."""

@@ -8,9 +8,12 @@ from typing import Literal
 
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+from ctr_lightning.checkpoint_safe import checkpoint_safe
+
 Eviction = Literal["lru", "lfu"]
 
 
+@checkpoint_safe
 @dataclass(frozen=True)
 class StorageConfig:
     """Tier capacities of one table (or of every table, when given once).

@@ -1,0 +1,155 @@
+"""A run killed with SIGKILL resumes from its last checkpoint to the same weights, bit for
+bit, with rows on SSD, through the Python API and through ``ctr-lightning fit --ckpt_path last``.
+
+Each run is a real process; the kill is a real SIGKILL from inside a training step.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, EVERY, KILL_AT = 120, 20, 70  # the last checkpoint before the kill is step 60
+
+KILLER = """
+import os, signal
+from lightning.pytorch.callbacks import Callback
+
+class KillAtStep(Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+API_RUN = """
+import sys
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from ctr_lightning.datamodules import CriteoDataModule
+from ctr_lightning.embedding import StorageConfig
+from ctr_lightning.models import DLRMModule
+from killer import KillAtStep
+
+work, kill_at, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
+pl.seed_everything(0)
+model = DLRMModule(embedding_dim=8, num_embeddings=5000, dense_arch_layer_sizes=[16], over_arch_layer_sizes=[16, 1],
+                   storage=StorageConfig(device_rows=150, host_rows=0, ssd_dir=f"{work}/ssd"))
+dm = CriteoDataModule(train_paths=[sys.argv[4]], batch_size=64)
+callbacks = [ModelCheckpoint(dirpath=f"{work}/ckpt", every_n_train_steps=%(every)d, save_last=True)]
+if kill_at:
+    callbacks.append(KillAtStep(kill_at))
+trainer = pl.Trainer(accelerator="cpu", max_steps=%(steps)d, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, callbacks=callbacks, default_root_dir=work)
+trainer.fit(model, datamodule=dm, ckpt_path=f"{work}/ckpt/last.ckpt" if resume else None)
+""" % {"every": EVERY, "steps": STEPS}
+
+
+def _run(args, cwd, tmp_path):
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(tmp_path))
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _final_state(path: Path) -> dict:
+    """Dense weights and optimizer state, and every stored table row (by id), of a checkpoint,
+    loaded the way Lightning loads it: ``weights_only=True``."""
+    ckpt = torch.load(path, weights_only=True)
+    assert ckpt["global_step"] == STEPS
+    state = dict(ckpt["state_dict"])
+    rows = {}
+    # The table collection is reachable under two names (the model's and torchrec DLRM's).
+    for key in [k for k in state if k.endswith("_extra_state")]:
+        for name, table in state.pop(key)["tables"].items():
+            order = torch.argsort(table["ids"])  # rows are stored in tier order, not id order
+            rows[f"{key}/{name}"] = (table["ids"][order], table["rows"][order], table["steps"])
+    assert rows
+    return {"dense": state, "rows": rows, "optimizer": ckpt["optimizer_states"]}
+
+
+def _assert_bit_equal(a, b, where="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _assert_bit_equal(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_bit_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.fixture
+def killer(tmp_path):
+    (tmp_path / "killer.py").write_text(KILLER)
+
+
+@pytest.mark.slow
+def test_python_api_resume_after_sigkill_is_bit_exact(tmp_path, killer):
+    from ctr_lightning.datamodules import write_synthetic_criteo
+
+    data = tmp_path / "day_0.tsv"
+    write_synthetic_criteo(data, rows=STEPS * 64 + 500, seed=0)
+    run = lambda work, kill, mode: _run([sys.executable, "-c", API_RUN, str(work), str(kill), mode, str(data)],
+                                        ROOT, tmp_path)
+    full = run(tmp_path / "full", 0, "fresh")
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = run(tmp_path / "killed", KILL_AT, "fresh")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert torch.load(tmp_path / "killed" / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 60
+    assert any((tmp_path / "killed" / "ssd").rglob("*.rows")), "the SSD tier was never used"
+    resumed = run(tmp_path / "killed", 0, "resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_bit_equal(_final_state(tmp_path / "full" / "ckpt" / "last.ckpt"),
+                      _final_state(tmp_path / "killed" / "ckpt" / "last.ckpt"))
+
+
+def _cli_config(tmp_path: Path, name: str, kill_at: int) -> Path:
+    callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                  "init_args": {"every_n_train_steps": EVERY, "save_last": True}}]
+    if kill_at:
+        callbacks.append({"class_path": "killer.KillAtStep", "init_args": {"step": kill_at}})
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": STEPS, "enable_progress_bar": False,
+                    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                               "init_args": {"save_dir": str(tmp_path / "runs"), "name": name}},
+                    "callbacks": callbacks},
+        "model": {"embedding_dim": 8, "num_embeddings": 5000, "dense_arch_layer_sizes": [16],
+                  "over_arch_layer_sizes": [16, 1],
+                  "storage": {"device_rows": 150, "host_rows": 0, "ssd_dir": str(tmp_path / "ssd" / name)}},
+        "data": {"class_path": "ctr_lightning.datamodules.SyntheticCriteoDataModule",
+                 "init_args": {"data_dir": str(tmp_path / "data"), "train_rows": STEPS * 64 + 500, "val_rows": 500,
+                               "max_cardinality": 5000, "batch_size": 64}},
+    }
+    path = tmp_path / f"{name}-kill{kill_at}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.mark.slow
+def test_cli_fit_ckpt_path_last_after_sigkill_is_bit_exact(tmp_path, killer):
+    cli = [sys.executable, "-m", "ctr_lightning.cli", "fit"]
+    full = _run([*cli, "--config", str(_cli_config(tmp_path, "full", 0))], ROOT, tmp_path)
+    assert full.returncode == 0, full.stderr[-3000:]
+    killed = _run([*cli, "--config", str(_cli_config(tmp_path, "run", KILL_AT))], ROOT, tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    resumed = _run([*cli, "--config", str(_cli_config(tmp_path, "run", 0)), "--ckpt_path", "last"], ROOT, tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # The resumed run logs on into the killed run's directory instead of a new, empty version.
+    run_dir = tmp_path / "runs" / "run"
+    assert sorted(p.name for p in run_dir.iterdir()) == ["version_0"]
+    assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
+    _assert_bit_equal(_final_state(tmp_path / "runs" / "full" / "version_0" / "checkpoints" / "last.ckpt"),
+                      _final_state(run_dir / "version_0" / "checkpoints" / "last.ckpt"))
