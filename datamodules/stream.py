@@ -190,22 +190,27 @@ class LogStreamDataset(IterableDataset):
             invalid.append(row.text)  # type: ignore[attr-defined]
             return "skip"
 
+        def reject_wrong_width(nths: range) -> None:
+            for nth in nths:
+                reason = self._width_reason(invalid[nth].encode())
+                if self.bad_lines == "raise":
+                    line, text = self._locate(fslice, nth, wrong_width=True)
+                    raise BadLineError(fslice.path, line, reason, text)
+                skipped.append(("width", nth, reason))
+
         seen_invalid = 0
+        batches = 0
         readable = True
         try:
             for index, record_batch in enumerate(self.format.read(fslice, on_invalid_row)):
+                batches = index + 1
                 # pyarrow parses one block per batch, so rows rejected meanwhile belong to it.
                 new_invalid = range(seen_invalid, len(invalid))
                 seen_invalid = len(invalid)
                 if index % fslice.stripes != fslice.stripe:
                     accepted_before += record_batch.num_rows
                     continue
-                for nth in new_invalid:
-                    reason = self._width_reason(invalid[nth].encode())
-                    if self.bad_lines == "raise":
-                        line, text = self._locate(fslice, nth, wrong_width=True)
-                        raise BadLineError(fslice.path, line, reason, text)
-                    skipped.append(("width", nth, reason))
+                reject_wrong_width(new_invalid)
                 rows = self.format.decode(record_batch)
                 if rows.problems:
                     bad_rows = np.flatnonzero(np.logical_or.reduce([mask for mask, _ in rows.problems]))
@@ -222,6 +227,10 @@ class LogStreamDataset(IterableDataset):
                 if len(rows.labels):
                     yield rows
                 accepted_before += record_batch.num_rows
+            # Rows rejected after the last batch (a block of nothing but wrong-width lines
+            # yields no batch): reported by the one stripe that the next batch would be.
+            if batches % fslice.stripes == fslice.stripe:
+                reject_wrong_width(range(seen_invalid, len(invalid)))
         except (EOFError, OSError, zlib.error, pa.ArrowException) as e:
             # A truncated or corrupt file: what was read stands; the rest is named, not lost silently.
             reason = f"unreadable after its first {accepted_before} rows ({type(e).__name__}: {e})"

@@ -1,4 +1,5 @@
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -10,12 +11,82 @@ CRITEO_SAMPLE = SHARED_DATA / "criteo_kaggle_sample"
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
-@pytest.fixture
-def criteo_sample() -> Path:
-    """The real Criteo Kaggle samples (never committed); tests skip where they are absent."""
+@dataclass(frozen=True)
+class CriteoSample:
+    """Two Criteo-layout files of 4,584 and 1,999 rows: the real Kaggle samples, or
+    synthetic files of the same layout and size (missing fields and negative I2 counts
+    included) that the tests write themselves."""
+
+    kind: str
+    big: Path  # 4,584 rows
+    head: Path  # 1,999 rows, no row shared with ``big``
+
+
+@pytest.fixture(scope="session")
+def synthetic_criteo_sample(tmp_path_factory) -> CriteoSample:
+    from ctr_lightning.datamodules import write_synthetic_criteo
+
+    root = tmp_path_factory.mktemp("synthetic_criteo")
+    return CriteoSample("synthetic", write_synthetic_criteo(root / "big.tsv", rows=4584, seed=11, max_cardinality=50_000),
+                        write_synthetic_criteo(root / "head.tsv", rows=1999, seed=11, stream=1,
+                                               max_cardinality=50_000))
+
+
+def real_criteo_sample() -> CriteoSample:
+    """The real Criteo Kaggle samples (never committed); the test skips where they are absent."""
     if not (CRITEO_SAMPLE / "train_random4584.tsv").is_file():
         pytest.skip(f"real Criteo sample not found under {CRITEO_SAMPLE}")
-    return CRITEO_SAMPLE
+    return CriteoSample("real", CRITEO_SAMPLE / "train_random4584.tsv", CRITEO_SAMPLE / "train_head1999.tsv")
+
+
+@pytest.fixture(params=["synthetic", "real"])
+def criteo_sample(request) -> CriteoSample:
+    """Tests that need Criteo-layout logs but no real data run on synthetic files always,
+    and on the real samples as an extra case where ../shared/data has them."""
+    if request.param == "real":
+        return real_criteo_sample()
+    return request.getfixturevalue("synthetic_criteo_sample")
+
+
+AVAZU_SAMPLE = SHARED_DATA / "avazu_sample" / "train_head100.csv"
+AVAZU_HEADER = ("id,click,hour,C1,banner_pos,site_id,site_domain,site_category,app_id,app_domain,app_category,"
+                "device_id,device_ip,device_model,device_type,device_conn_type,C14,C15,C16,C17,C18,C19,C20,C21")
+
+
+def write_avazu_layout(path: Path, rows: int, seed: int) -> Path:
+    """Avazu CSV of ``rows`` random rows in the real layout: the header, a 64-bit id, a
+    0/1 click, an hour as YYMMDDHH, and hex or integer categorical fields."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    hexes = lambda n: [f"{v:08x}" for v in rng.integers(0, 2**32, n)]  # noqa: E731
+    lines = [AVAZU_HEADER]
+    for i in range(rows):
+        day, hour = rng.integers(21, 31), rng.integers(0, 24)
+        fields = [str(rng.integers(0, 2**63)), str(int(rng.random() < 0.17)), f"1410{day:02d}{hour:02d}",
+                  str(rng.choice([1005, 1002, 1010])), str(rng.integers(0, 3)), *hexes(6),
+                  *hexes(3), str(rng.integers(0, 5)), str(rng.integers(0, 4)),
+                  *[str(v) for v in rng.integers(0, 25000, 6)], str(rng.choice([-1, 100084, 100148])),
+                  str(rng.integers(0, 200))]
+        lines.append(",".join(fields))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(params=["synthetic", "real"])
+def avazu_sample(request, tmp_path_factory) -> Path:
+    """An Avazu CSV of 100 rows: written by the test, or the real sample where it is present."""
+    if request.param == "real":
+        if not AVAZU_SAMPLE.is_file():
+            pytest.skip(f"real Avazu sample not found at {AVAZU_SAMPLE}")
+        return AVAZU_SAMPLE
+    return write_avazu_layout(tmp_path_factory.mktemp("avazu") / "train_head100.csv", rows=100, seed=5)
+
+
+@pytest.fixture
+def real_criteo() -> CriteoSample:
+    """For the few tests about the real data itself."""
+    return real_criteo_sample()
 
 
 @pytest.fixture
@@ -32,7 +103,7 @@ def run_ranks(free_port):
     return functools.partial(launch_ranks, port=free_port)
 
 
-def launch_ranks(script: str, args: list[str], world: int, port: int, timeout: float = 600,
+def launch_ranks(script: str, args: list[str], world: int, port: int, timeout: float = 300,
                  ddp_env: bool = True) -> list[dict]:
     """Run ``script`` as ``world`` processes of a process group on 127.0.0.1 and return the
     JSON each prints on its ``RESULT`` line, ordered by rank.
@@ -40,7 +111,8 @@ def launch_ranks(script: str, args: list[str], world: int, port: int, timeout: f
     With ``ddp_env`` the processes get the variables a launcher sets (RANK, WORLD_SIZE,
     MASTER_ADDR...), so Lightning joins them instead of starting its own; the script also
     gets its rank as the first argument. ``{port}`` in ``args`` becomes the port; if
-    another process takes it first, the run starts again on a new one.
+    another process takes it first, the run starts again on a new one. All ranks share
+    one ``timeout``; on any failure every rank's stderr tail is shown.
     """
     for _ in range(3):
         try:
@@ -67,6 +139,8 @@ def _launch(script: str, args: list[str], world: int, port: int, timeout: float,
     import os
     import subprocess
     import sys
+    import threading
+    import time
 
     base = dict(os.environ, PYTHONWARNINGS="ignore")
     if ddp_env and world > 1:
@@ -76,17 +150,42 @@ def _launch(script: str, args: list[str], world: int, port: int, timeout: float,
                               env=dict(base, LOCAL_RANK=str(r), RANK=str(r)) if ddp_env and world > 1 else base,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
-    results = []
+    # Every pipe is drained by a thread of its own, so no rank blocks on a full pipe while
+    # another is being read, and all ranks share one deadline.
+    outputs: dict[tuple[int, str], list[str]] = {(r, name): [] for r in range(world) for name in ("out", "err")}
+    readers = [threading.Thread(target=lambda f, sink: sink.extend(f), args=(getattr(p, f"std{name}"), outputs[r, name]),
+                                daemon=True)
+               for r, p in enumerate(procs) for name in ("out", "err")]
+    for t in readers:
+        t.start()
+    deadline = time.monotonic() + timeout
     try:
-        outs = [p.communicate(timeout=timeout) for p in procs]  # a hang (e.g. at an epoch's end) fails here
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
     finally:
+        hung = [r for r, p in enumerate(procs) if p.poll() is None]
         for p in procs:
             p.kill()
+            p.wait()
+        for t in readers:
+            t.join(timeout=10)
+    outs = [("".join(outputs[r, "out"]), "".join(outputs[r, "err"])) for r in range(world)]
     if any(p.returncode != 0 and ("EADDRINUSE" in err or "ddress already in use" in err)
            for p, (_, err) in zip(procs, outs)):
         raise _PortTaken()
-    for p, (out, err) in zip(procs, outs):
+
+    def tails() -> str:
+        return "\n".join(f"--- rank {r} (exit {procs[r].returncode}) stderr tail:\n{err[-2000:]}"
+                         for r, (_, err) in enumerate(outs))
+
+    if hung:
+        raise AssertionError(f"ranks {hung} still ran after the {timeout:.0f} s deadline\n{tails()}")
+    results = []
+    for r, (p, (out, _)) in enumerate(zip(procs, outs)):
         line = next((l for l in out.splitlines() if l.startswith("RESULT ")), None)
-        assert p.returncode == 0 and line, err[-3000:]
+        assert p.returncode == 0 and line, f"rank {r} failed\n{tails()}"
         results.append(json.loads(line[len("RESULT "):]))
     return results

@@ -8,7 +8,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.data import extract_batch_size
 from typing_extensions import override
+
+from ctr_lightning.batch import Batch
 
 
 class ExamplesPerSecond(Callback):
@@ -40,10 +43,11 @@ class ExamplesPerSecond(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # The first mark is taken after step one, so warm-up never enters the rate.
-        self._examples += len(batch)
+        size = len(batch) if isinstance(batch, Batch) else extract_batch_size(batch)  # any LightningModule's batch
+        self._examples += size
         self._marks.append((time.perf_counter(), self._examples))
         if len(self._marks) < 2:
             return
         (t0, n0), (t1, n1) = self._marks[0], self._marks[-1]
         pl_module.log("train/examples_per_sec", (n1 - n0) / max(t1 - t0, 1e-9), prog_bar=True,
-                      on_step=True, on_epoch=False, batch_size=len(batch))
+                      on_step=True, on_epoch=False, batch_size=size)

@@ -13,7 +13,7 @@ def _fit(criteo_sample, ssd_dir, callbacks):
     model = DLRMModule(embedding_dim=8, num_embeddings=20_000, dense_arch_layer_sizes=[16],
                        over_arch_layer_sizes=[16, 1], sparse_learning_rate=0.05,
                        storage=StorageConfig(device_rows=400, host_rows=0, ssd_dir=str(ssd_dir)))
-    dm = CriteoDataModule(train_paths=[str(criteo_sample / "train_random4584.tsv")], batch_size=128, num_workers=1)
+    dm = CriteoDataModule(train_paths=[str(criteo_sample.big)], batch_size=128, num_workers=1)
     logged = []
 
     class Capture(pl.Callback):

@@ -1,7 +1,6 @@
 import datetime
 import gzip
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,15 +9,6 @@ from ctr_lightning.datamodules import AvazuDataModule, BadLineError
 from ctr_lightning.datamodules.avazu import AVAZU_SPARSE
 from ctr_lightning.datamodules.field_decoders import feature_salt
 from ctr_lightning.hashing import splitmix64
-
-SAMPLE = Path(__file__).resolve().parents[3] / "shared" / "data" / "avazu_sample" / "train_head100.csv"
-
-
-@pytest.fixture
-def avazu_sample():
-    if not SAMPLE.is_file():
-        pytest.skip(f"real Avazu sample not found at {SAMPLE}")
-    return SAMPLE
 
 
 def fnv_id(value: bytes, feature: int) -> int:
@@ -58,7 +48,7 @@ def collect(dm):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_reads_real_avazu_sample_exactly(avazu_sample, tmp_path, num_workers):
+def test_reads_avazu_sample_exactly(avazu_sample, tmp_path, num_workers):
     # Two copies, one gzip: the header of each is consumed, in every shard of either.
     shutil.copy(avazu_sample, tmp_path / "a.csv")
     with open(avazu_sample, "rb") as f, gzip.open(tmp_path / "b.csv.gz", "wb") as g:

@@ -49,8 +49,8 @@ def sort_rows(labels, dense, ids):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_reads_real_sample_exactly(criteo_sample, num_workers):
-    path = criteo_sample / "train_random4584.tsv"
+def test_reads_sample_exactly(criteo_sample, num_workers):
+    path = criteo_sample.big
     dm = CriteoDataModule(train_paths=[str(path)], batch_size=1000, num_workers=num_workers, bad_lines="raise")
     got = collect(dm)
     want = reference_rows(path)
@@ -64,10 +64,10 @@ def test_reads_real_sample_exactly(criteo_sample, num_workers):
 
 
 def test_negative_counts_are_zero_or_bad_lines_by_choice(criteo_sample, tmp_path):
-    path = criteo_sample / "train_random4584.tsv"
+    path = criteo_sample.big
     lines = path.read_text().splitlines()
     negative = [i for i, line in enumerate(lines) if any(x.startswith("-") for x in line.split("\t")[1:14])]
-    assert negative  # the real I2 has negative values
+    assert negative  # I2 has negative values, in the real logs as in the synthetic ones
     labels, dense, _ = collect(CriteoDataModule(train_paths=[str(path)], batch_size=1000, bad_lines="raise"))
     assert len(labels) == len(lines) and dense.min() >= 0.0
     strict = CriteoDataModule(train_paths=[str(path)], batch_size=1000, negative_counts="bad")
@@ -85,7 +85,7 @@ def test_negative_counts_are_zero_or_bad_lines_by_choice(criteo_sample, tmp_path
 
 
 def test_spot_values_and_missing_fields(criteo_sample):
-    path = criteo_sample / "train_head1999.tsv"
+    path = criteo_sample.head
     lines = path.read_text().splitlines()
     dm = CriteoDataModule(train_paths=[str(path)], batch_size=4096)
     labels, dense, ids = collect(dm)
@@ -109,8 +109,8 @@ def test_spot_values_and_missing_fields(criteo_sample):
 
 def test_train_and_val_split_by_file(criteo_sample):
     dm = CriteoDataModule(
-        train_paths=[str(criteo_sample / "train_random4584.tsv")],
-        val_paths=[str(criteo_sample / "train_head1999.tsv")],
+        train_paths=[str(criteo_sample.big)],
+        val_paths=[str(criteo_sample.head)],
         batch_size=512,
     )
     assert len(collect(dm, "train")[0]) == 4584
@@ -118,7 +118,7 @@ def test_train_and_val_split_by_file(criteo_sample):
 
 
 def test_gzip_and_directories(criteo_sample, tmp_path):
-    src = criteo_sample / "train_head1999.tsv"
+    src = criteo_sample.head
     with open(src, "rb") as f, gzip.open(tmp_path / "day_1.tsv.gz", "wb") as g:
         shutil.copyfileobj(f, g)
     shutil.copy(src, tmp_path / "day_0.tsv")
@@ -138,7 +138,7 @@ def test_missing_path_names_it(tmp_path):
 
 
 def _write_with_bad_lines(criteo_sample, tmp_path):
-    lines = (criteo_sample / "train_head1999.tsv").read_text().splitlines()[:300]
+    lines = (criteo_sample.head).read_text().splitlines()[:300]
     lines[10] = "\t".join(lines[10].split("\t")[:30])  # too few fields
     lines[20] = lines[20].replace("\t", "\tzz", 1)  # I1 not an integer
     fields = lines[30].split("\t")
@@ -165,7 +165,7 @@ def test_bad_lines_raise_names_file_and_line(criteo_sample, tmp_path, line, reas
     path = _write_with_bad_lines(criteo_sample, tmp_path)
     text = path.read_text().splitlines()
     if line == 21:  # make the first problem the one under test
-        text[10] = (criteo_sample / "train_head1999.tsv").read_text().splitlines()[10]
+        text[10] = (criteo_sample.head).read_text().splitlines()[10]
         path.write_text("\n".join(text) + "\n")
     dm = CriteoDataModule(train_paths=[str(path)], batch_size=64, bad_lines="raise")
     with pytest.raises(BadLineError, match=f"{path}:{line}: {reason}"):
@@ -175,9 +175,16 @@ def test_bad_lines_raise_names_file_and_line(criteo_sample, tmp_path, line, reas
 def test_batches_move_as_one_unit():
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["C1"], values=torch.tensor([3, 4]), lengths=torch.tensor([1, 1]))
-    batch = Batch(dense=torch.zeros(2, 13), sparse=kjt, labels=torch.tensor([0.0, 1.0])).to("cpu")
-    assert len(batch) == 2 and batch.sparse.values().tolist() == [3, 4]
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["C1", "C2"], values=torch.tensor([3, 4, 5]),
+                                              lengths=torch.tensor([1, 1, 1, 0]))
+    batch = Batch(dense=torch.zeros(2, 13), sparse=kjt, labels=torch.tensor([0.0, 1.0]))
+    # The meta device stands in for a GPU: every tensor, the KJT's included, must move.
+    moved = batch.to("meta")
+    tensors = [moved.dense, moved.labels, moved.sparse.values(), moved.sparse.lengths(), moved.sparse.offsets()]
+    assert all(t.device.type == "meta" for t in tensors)
+    assert [t.dtype for t in tensors] == [torch.float32, torch.float32, torch.int64, torch.int64, torch.int64]
+    assert len(moved) == 2 and moved.sparse.keys() == ["C1", "C2"] and moved.sparse.stride() == 2
+    assert batch.sparse.values().device.type == "cpu"  # the original stays where it was
 
 
 def test_online_mode_trains_on_each_day_and_validates_on_the_next(tmp_path):

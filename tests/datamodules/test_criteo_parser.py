@@ -20,7 +20,7 @@ def _read(path, block_size, bad_lines="raise"):
 
 @pytest.mark.parametrize("block_size", [1, 100, 1 << 16])
 def test_crlf_and_no_final_newline_read_like_plain_lines(criteo_sample, tmp_path, block_size):
-    lines = (criteo_sample / "train_head1999.tsv").read_text().splitlines()[:120]
+    lines = (criteo_sample.head).read_text().splitlines()[:120]
     plain = tmp_path / "plain.tsv"
     plain.write_text("\n".join(lines) + "\n")
     crlf = tmp_path / "crlf.tsv"
@@ -40,7 +40,7 @@ def test_line_blocks_end_on_newlines_and_keep_every_byte():
 
 
 def test_wrong_width_lines_are_named_with_their_text(criteo_sample, tmp_path):
-    lines = (criteo_sample / "train_head1999.tsv").read_text().splitlines()[:50]
+    lines = (criteo_sample.head).read_text().splitlines()[:50]
     lines[7] = lines[7] + "\textra"
     lines[9] = ""
     path = tmp_path / "w.tsv"
@@ -53,7 +53,7 @@ def test_wrong_width_lines_are_named_with_their_text(criteo_sample, tmp_path):
 
 
 def test_parsed_values_match_the_reference_decoder(criteo_sample):
-    path = criteo_sample / "train_random4584.tsv"
+    path = criteo_sample.big
     fmt = CriteoFormat(block_size=1 << 15)
     blocks = [fmt.decode(b) for b in fmt.read(FileSlice(str(path)), on_invalid_row=lambda row: "skip")]
     labels, dense, ids = reference_rows(path)

@@ -31,8 +31,8 @@ def reference_tuples(path):
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")  # 3 on purpose
 def test_every_example_read_by_exactly_one_rank_and_worker(criteo_sample, tmp_path):
     # Unequal files, one of them gzip, one with fewer lines than there are readers.
-    big = criteo_sample / "train_random4584.tsv"
-    head = criteo_sample / "train_head1999.tsv"
+    big = criteo_sample.big
+    head = criteo_sample.head
     shutil.copy(big, tmp_path / "day_0.tsv")
     with open(head, "rb") as f, gzip.open(tmp_path / "day_1.tsv.gz", "wb") as g:
         shutil.copyfileobj(f, g)
@@ -96,7 +96,7 @@ def corrupt(line: str, rng: random.Random) -> str:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_corruptions_never_crash_and_are_all_counted(criteo_sample, tmp_path, seed):
     rng = random.Random(seed)
-    good_lines = (criteo_sample / "train_head1999.tsv").read_text().splitlines()
+    good_lines = (criteo_sample.head).read_text().splitlines()
     lines, expected_bad, good_kept = [], 0, []
     for i in range(1200):  # 600 corrupted lines per seed, 1200 over both
         if i % 2:
@@ -127,7 +127,7 @@ def test_bad_line_counts_reach_the_trainer_as_a_metric(criteo_sample, tmp_path):
     from ctr_lightning.datamodules import CriteoDataModule
     from ctr_lightning.models import DLRMModule
 
-    lines = (criteo_sample / "train_head1999.tsv").read_text().splitlines()
+    lines = (criteo_sample.head).read_text().splitlines()
     for i in range(0, 1999, 100):
         lines[i] = lines[i].replace("\t", ",", 3)  # 20 lines with too few fields
     (tmp_path / "day_0.tsv").write_text("\n".join(lines) + "\n")
@@ -147,7 +147,7 @@ def test_bad_line_counts_reach_the_trainer_as_a_metric(criteo_sample, tmp_path):
 
 
 def test_empty_truncated_and_url_paths(criteo_sample, tmp_path, caplog):
-    data = (criteo_sample / "train_head1999.tsv").read_bytes()
+    data = (criteo_sample.head).read_bytes()
     (tmp_path / "a_empty.tsv").write_bytes(b"")
     packed = gzip.compress(data)
     (tmp_path / "b_truncated.tsv.gz").write_bytes(packed[: len(packed) // 2])
@@ -162,3 +162,20 @@ def test_empty_truncated_and_url_paths(criteo_sample, tmp_path, caplog):
     strict = LogStreamDataset(files, CriteoFormat(), batch_size=100, bad_lines="raise")
     with pytest.raises(BadLineError, match=r"b_truncated.tsv.gz: unreadable after its first \d+ rows \(EOFError"):
         rows_of(BatchDataLoader(strict))
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_file_of_nothing_but_wrong_width_lines_is_counted_or_raised(tmp_path, compressed):
+    # Every line has 41 fields: the parser accepts none, so no record batch ever arrives;
+    # the lines must still be counted (once, over all readers of the file) or raised.
+    lines = ["\t".join(["1"] + ["3"] * 13 + ["68fd1e64"] * 27) for _ in range(500)]
+    text = ("\n".join(lines) + "\n").encode()
+    path = tmp_path / ("wide.tsv.gz" if compressed else "wide.tsv")
+    path.write_bytes(gzip.compress(text) if compressed else text)
+    ds = LogStreamDataset([str(path)], CriteoFormat(block_size=1 << 12), batch_size=64, bad_lines="skip")
+    loader = BatchDataLoader(ds, num_workers=2)
+    assert list(loader) == []
+    assert dict(loader.bad_line_counts) == {str(path): 500}
+    raising = LogStreamDataset([str(path)], CriteoFormat(block_size=1 << 12), batch_size=64, bad_lines="raise")
+    with pytest.raises(BadLineError, match=f"{re.escape(str(path))}:1: expected 40 fields, found 41"):
+        list(BatchDataLoader(raising))

@@ -57,8 +57,22 @@ def test_train_and_val_streams_share_the_world_not_the_rows():
     gen = SyntheticCriteo(SyntheticCriteoSpec(seed=0))
     a, b = gen.chunk(0, 1000, stream=0), gen.chunk(0, 1000, stream=1)
     assert not np.array_equal(a.ranks, b.ranks)
-    # Same (feature, rank) gives the same hex value in both streams.
-    assert np.array_equal(gen.values(2, np.arange(10)), gen.values(2, np.arange(10)))
+    # Same (feature, rank) gives the same hex string in both streams' rows, and another
+    # rank another string.
+    f, name = 2, "C3"
+    strings_a, strings_b = a.table[name].to_pylist(), b.table[name].to_pylist()
+    first_b = {}
+    for j, r in enumerate(b.ranks[:, f].tolist()):
+        first_b.setdefault(r, j)
+    pairs = [(i, first_b[r]) for i, r in enumerate(a.ranks[:, f].tolist()) if r >= 0 and r in first_b]
+    assert len(pairs) > 100
+    for i, j in pairs:
+        assert strings_a[i] == strings_b[j]
+    by_string = {}
+    for r, text in zip(a.ranks[:, f].tolist() + b.ranks[:, f].tolist(), strings_a + strings_b):
+        if r >= 0:
+            assert by_string.setdefault(text, r) == r
+    assert all(text is None for r, text in zip(a.ranks[:, f].tolist(), strings_a) if r < 0)
 
 
 def test_cardinalities_follow_criteo_capped(world):

@@ -112,7 +112,24 @@ def test_bad_inputs_name_the_feature_and_table():
 def test_torchrec_dlrm_accepts_it():
     from torchrec.models.dlrm import DLRM
 
-    model = DLRM(embedding_bag_collection=FusedEmbeddingBagCollection(TABLES), dense_in_features=3,
-                 dense_arch_layer_sizes=[4], over_arch_layer_sizes=[5, 1])
+    ebc = FusedEmbeddingBagCollection(TABLES, optimizer=SparseSGD(lr=0.5))
+    model = DLRM(embedding_bag_collection=ebc, dense_in_features=3, dense_arch_layer_sizes=[4],
+                 over_arch_layer_sizes=[5, 1])
     kjt = random_kjt(torch.Generator().manual_seed(4))
-    assert model(torch.randn(8, 3), kjt).shape == (8, 1)
+    dense = torch.randn(8, 3, generator=torch.Generator().manual_seed(5))
+    before = [w.clone() for w in ebc.kernel.split_embedding_weights()]
+    logits = model(dense, kjt)
+    # The same DLRM fed the reference pooling of the same rows.
+    pooled = reference_pool(before, kjt, TABLES)
+    sparse = torch.stack([pooled[f] for f in ("f0", "f1", "f2")], dim=1)
+    want = model.over_arch(model.inter_arch(model.dense_arch(dense), sparse))
+    torch.testing.assert_close(logits, want)
+    # Backward through DLRM reaches the fused optimizer: touched rows move, the others stay.
+    logits.sum().backward()
+    after = ebc.kernel.split_embedding_weights()
+    for t, table in enumerate(TABLES):
+        touched = torch.zeros(table.num_embeddings, dtype=torch.bool)
+        for f in table.feature_names:
+            touched[kjt[f].values() % table.num_embeddings] = True
+        moved = (after[t] != before[t]).any(dim=1)
+        assert moved.any() and not (moved & ~touched).any(), table.name

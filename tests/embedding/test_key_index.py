@@ -47,3 +47,24 @@ def test_lookup_unique_equals_dedup_then_lookup():
         assert inverse.tolist() == want_inverse.tolist()
         assert slots.tolist() == index.lookup(keys[first], tags[first]).tolist()
         assert (mark == -1).all()  # the scratch is left as it was found
+
+
+def test_dedup_agrees_with_numpy_unique():
+    rng = np.random.default_rng(3)
+    keys = rng.zipf(1.2, 5000).astype(np.int64) % 700
+    tags = rng.integers(0, 3, 5000)
+    first, inverse = dedup(keys, tags)
+    pairs = np.stack([keys, tags], axis=1)
+    unique, index, inv = np.unique(pairs, axis=0, return_index=True, return_inverse=True)
+    # Same set of pairs; each listed once, at its first occurrence, in order of appearance.
+    assert len(first) == len(unique)
+    assert np.array_equal(np.sort(first), np.sort(index))
+    assert np.all(np.diff(first) > 0)
+    assert np.array_equal(pairs[first][inverse], pairs)
+    # Equal pairs share an inverse, different pairs do not (as numpy's inverse says).
+    assert np.array_equal(unique[inv.reshape(-1)], pairs)
+    remap = np.empty(len(unique), dtype=np.int64)
+    remap[inv.reshape(-1)] = inverse
+    assert np.array_equal(remap[inv.reshape(-1)], inverse)
+    empty_first, empty_inverse = dedup(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+    assert len(empty_first) == len(empty_inverse) == 0

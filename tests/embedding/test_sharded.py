@@ -129,3 +129,52 @@ def test_row_owner_spreads_ids_evenly():
     for ids in (torch.arange(100_000), torch.from_numpy(np.random.default_rng(0).integers(0, 2**62, 100_000))):
         counts = torch.bincount(row_owner(ids, 4), minlength=4)
         assert counts.min() > 0.95 * 25_000 and counts.max() < 1.05 * 25_000
+
+
+GROUP_SCRIPT = r"""
+import json, sys
+import torch, torch.distributed as dist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from ctr_lightning.embedding import SparseAdam, TieredEmbeddingBagCollection
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+TABLES = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=100, feature_names=["f0"])]
+both = dist.new_group([0, 1])
+alone = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group, in one order
+
+def train(process_group):
+    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.1), process_group=process_group)
+    for step in range(3):
+        ids = torch.tensor([step, 10 + rank, 20 + step * rank])
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0"], values=ids, lengths=torch.ones(3, dtype=torch.int64))
+        ebc(kjt).values().sum().backward()
+    return ebc
+
+result = {}
+for name, group in (("default", None), ("explicit", both), ("alone", alone[rank])):
+    ebc = train(group)
+    plan = ebc.sharding_plan
+    # rows() is collective only when sharded; alone, each rank reads its own tables.
+    rows = ebc.rows("t0", torch.arange(30)).tolist()
+    result[name] = {"plan": None if plan is None else plan["t0"].kind, "bytes": ebc.comm_bytes(), "rows": rows}
+print("RESULT " + json.dumps(result), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_an_explicit_process_group_decides_what_is_sharded(run_ranks):
+    results = run_ranks(GROUP_SCRIPT, ["{port}"], world=2, ddp_env=False)
+    for r in results:
+        assert r["default"]["plan"] == r["explicit"]["plan"] == "row_wise"
+        assert r["explicit"]["bytes"] > 0
+        assert r["explicit"]["rows"] == r["default"]["rows"]  # the same sharded training
+        assert r["alone"]["plan"] is None and r["alone"]["bytes"] == 0
+    # Sharded, both ranks see one table; alone, each trained its own rows only.
+    assert results[0]["explicit"]["rows"] == results[1]["explicit"]["rows"]
+    assert results[0]["alone"]["rows"] != results[1]["alone"]["rows"]
+    untouched = [i for i in range(30) if i not in (0, 1, 2, 10, 11, 20, 21, 22)]
+    for i in untouched:  # rows nobody trained are the same initial values everywhere
+        assert results[0]["alone"]["rows"][i] == results[1]["alone"]["rows"][i]

@@ -253,7 +253,7 @@ def test_full_disk_is_a_clear_error_and_loses_nothing(tmp_path):
     import sys
 
     result = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, str(tmp_path / "ssd")],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=300)
     assert "ERROR" in result.stdout, result.stdout + result.stderr[-2000:]
     assert "SSD tier of tables ['big']" in result.stdout and "rows already written are intact" in result.stdout
     assert "LOST 0 OF" in result.stdout, result.stdout

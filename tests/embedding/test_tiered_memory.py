@@ -49,7 +49,7 @@ print(f"RESULT budget={budget} growth={peak - start} ssd_file={ssd_bytes} ssd_ro
 def test_rss_growth_stays_within_host_budget_while_ssd_holds_10x(tmp_path):
     budget = 48 << 20
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ssd"), str(budget)],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=300)
     line = next((l for l in result.stdout.splitlines() if l.startswith("RESULT")), None)
     assert line, result.stdout + result.stderr[-3000:]
     values = dict(kv.split("=") for kv in line.split()[1:])

@@ -56,7 +56,7 @@ trainer.fit(model, datamodule=dm, ckpt_path=f"{work}/ckpt/last.ckpt" if resume e
 
 def _run(args, cwd, tmp_path):
     env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(tmp_path))
-    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _final_state(path: Path) -> dict:

@@ -29,8 +29,6 @@ class MLP(pl.LightningModule):
         x, y = batch
         self.log("val_loss", F.mse_loss(self.net(x).squeeze(-1), y), sync_dist=True)
     def configure_optimizers(self):
-        if self.optimizer == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=0.05)
         return torch.optim.Adam(self.parameters(), lr=0.01)
 
 class TwoOptimizers(MLP):
@@ -49,6 +47,14 @@ class TwoOptimizers(MLP):
     def configure_optimizers(self):
         return [torch.optim.Adam(self.net[0].parameters(), lr=0.01),
                 torch.optim.Adam(self.net[2].parameters(), lr=0.01)]
+
+class StepData(MLP):
+    # Each step's batch is a function of (step, rank), so a resumed run sees the batches
+    # an uninterrupted one would (a plain DataLoader restarts its epoch on resume).
+    def training_step(self, batch, batch_idx):
+        g = torch.Generator().manual_seed(1000 * self.trainer.global_step + self.global_rank)
+        x = torch.randn(16, 8, generator=g)
+        return F.mse_loss(self.net(x).squeeze(-1), x.sum(1))
 
 history, stepped, moments, stepped_moments, validated, started = [], [], [], [], [], []
 
@@ -84,6 +90,8 @@ kind = config.pop("strategy")
 optimizer = config.pop("optimizer", "adam")
 val_check_interval = config.pop("val_check_interval", None)
 checkpoint_every = config.pop("checkpoint_every", None)
+resume = config.pop("resume", None)
+tag = config.pop("tag", kind)
 callbacks = [Record()]
 if checkpoint_every:
     callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), filename="{step}",
@@ -93,18 +101,15 @@ trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE",
                      max_steps=12, logger=False, enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False,
                      enable_model_summary=False, callbacks=callbacks, val_check_interval=val_check_interval,
                      limit_val_batches=2 if val_check_interval else 0)
-try:
-    trainer.fit(TwoOptimizers() if optimizer == "two_adam" else MLP(optimizer), DataLoader(data, batch_size=16),
-                DataLoader(data, batch_size=16) if val_check_interval else None)
-except ValueError as e:
-    print("RESULT " + json.dumps({"error": str(e)}), flush=True)
-    sys.exit(0)
+module = {"two_adam": TwoOptimizers, "step_data": lambda: StepData("adam")}.get(optimizer, lambda: MLP(optimizer))()
+trainer.fit(module, DataLoader(data, batch_size=16), DataLoader(data, batch_size=16) if val_check_interval else None,
+            ckpt_path=os.path.join(out_dir, "ckpt", resume) if resume else None)
 opt = trainer.optimizers[0]
 state = [opt.state[p] for p in trainer.lightning_module.parameters()]
 torch.save({"history": history, "stepped": stepped, "moments": moments, "stepped_moments": stepped_moments,
             "validated": validated, "started": started, "final": flat(trainer.lightning_module),
             "exp_avg": [s.get("exp_avg") for s in state]},
-           os.path.join(out_dir, f"{kind}_{rank}.pt"))
+           os.path.join(out_dir, f"{tag}_{rank}.pt"))
 result = {"rank": rank}
 if kind != "ddp":
     result.update(merges=strategy.merges, divergence=strategy.last_divergence,
@@ -216,9 +221,13 @@ def test_a_checkpoint_between_merges_holds_the_merged_model_and_training_goes_on
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment_dtype", ["bfloat16", "float32"])
-def test_merges_average_parameters_exactly_and_moments_in_moment_dtype(tmp_path, run_ranks, moment_dtype):
-    _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", moment_dtype=moment_dtype)
+@pytest.mark.parametrize("moment_dtype, bucket_bytes", [("bfloat16", 25 << 20), ("float32", 64)])
+def test_merges_average_parameters_exactly_and_moments_in_moment_dtype(tmp_path, run_ranks, moment_dtype,
+                                                                       bucket_bytes):
+    # 64-byte buckets split each merge into dozens of buckets (and the 33-float layer across
+    # them): the averages must be the same as in one bucket.
+    _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", moment_dtype=moment_dtype,
+         bucket_bytes=bucket_bytes)
     a, b = (_history(tmp_path, "kstep", r) for r in range(2))
     for step in (3, 7, 11):  # merges after steps 4, 8 and 12
         torch.testing.assert_close(a["history"][step], (a["stepped"][step] + b["stepped"][step]) / 2,
@@ -262,6 +271,39 @@ def test_overlapped_merges_correct_each_rank_by_the_average_of_a_snapshot(tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_continues_the_kstep_schedule(tmp_path, run_ranks, world):
+    # Checkpoints every 2 steps; k=4 merges after steps 4, 8 and 12.
+    config = dict(strategy="kstep", k=4, mode="all", optimizer="step_data", checkpoint_every=2,
+                  moment_dtype="float32")
+    _run(run_ranks, tmp_path, world, tag="full", **config)
+    full = [_history(tmp_path, "full", r) for r in range(world)]
+    # From step 8, a merge step: every rank holds the merged model, and so does the
+    # checkpoint; the resumed run ends where the uninterrupted one does, bit for bit.
+    _run(run_ranks, tmp_path, world, tag="from8", resume="step=8.ckpt", **config)
+    for rank in range(world):
+        resumed = _history(tmp_path, "from8", rank)
+        assert len(resumed["history"]) == 4  # steps 9-12
+        assert torch.equal(resumed["final"], full[rank]["final"])
+        for a, b in zip(resumed["exp_avg"], full[rank]["exp_avg"]):
+            assert torch.equal(a, b)
+    if world == 1:
+        return
+    # From step 6, between merges: the checkpoint holds the ranks' mean, every rank starts
+    # from it, steps 7-8 run locally and the merge after step 8 keeps its place.
+    _run(run_ranks, tmp_path, world, tag="from6", resume="step=6.ckpt", **config)
+    a, b = (_history(tmp_path, "from6", r) for r in range(2))
+    mean = (full[0]["stepped"][5] + full[1]["stepped"][5]) / 2
+    for run in (a, b):
+        torch.testing.assert_close(run["started"][0][0], mean, atol=1e-7, rtol=0)
+    assert torch.equal(a["started"][0][0], b["started"][0][0])
+    assert not torch.equal(a["history"][0], b["history"][0])  # step 7: local
+    assert torch.equal(a["history"][1], b["history"][1])  # step 8: merged
+    assert not torch.equal(a["history"][2], b["history"][2])  # step 9: local again
+    assert torch.equal(a["final"], b["final"])
+
+
+@pytest.mark.slow
 def test_node_mode_on_two_simulated_nodes(tmp_path, run_ranks):
     results = _run(run_ranks, tmp_path, 4, strategy="kstep", k=4, mode="node", local_world_size=2)
     h = [_history(tmp_path, "kstep", r)["history"] for r in range(4)]
@@ -279,14 +321,45 @@ def test_node_mode_on_two_simulated_nodes(tmp_path, run_ranks):
     assert results[0]["intra"] > 0
 
 
+SETUP_SCRIPT = r"""
+import json, sys
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from ctr_lightning.strategies import KStepAdamStrategy
+
+class Tiny(pl.LightningModule):
+    def __init__(self, optimizer):
+        super().__init__()
+        self.layer, self.optimizer = torch.nn.Linear(2, 1), optimizer
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).sum()
+    def configure_optimizers(self):
+        kind = torch.optim.SGD if self.optimizer == "sgd" else torch.optim.Adam
+        return kind(self.parameters(), lr=0.1)
+
+outcomes = []
+for strategy, optimizer in json.loads(sys.argv[2]):
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=KStepAdamStrategy(**strategy), max_steps=2,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    try:
+        trainer.fit(Tiny(optimizer), DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=4))
+        outcomes.append("ok")
+    except ValueError as e:
+        outcomes.append(str(e))
+print("RESULT " + json.dumps(outcomes), flush=True)
+"""
+
+
 @pytest.mark.slow
-def test_bad_setups_are_clear_errors(tmp_path, run_ranks):
-    (one_node,) = _run(run_ranks, tmp_path, 1, strategy="kstep", k=4, mode="node")
-    assert "mode='node' merges across nodes, but the 1 ranks form one node" in one_node["error"]
-    (sgd,) = _run(run_ranks, tmp_path, 1, strategy="kstep", k=4, optimizer="sgd")
-    assert "merge_optimizer_state=True merges Adam's exp_avg" in sgd["error"] and "SGD" in sgd["error"]
-    (fine,) = _run(run_ranks, tmp_path, 1, strategy="kstep", k=4, optimizer="sgd", merge_optimizer_state=False)
-    assert "error" not in fine
+def test_bad_setups_are_clear_errors(run_ranks):
+    cases = [({"k": 4, "mode": "node"}, "adam"), ({"k": 4}, "sgd"), ({"k": 4, "merge_optimizer_state": False}, "sgd")]
+    (outcomes,) = run_ranks(SETUP_SCRIPT, [json.dumps(cases)], world=1)
+    one_node, sgd, fine = outcomes
+    assert "mode='node' merges across nodes, but the 1 ranks form one node" in one_node
+    assert "merge_optimizer_state=True merges Adam's exp_avg" in sgd and "SGD" in sgd
+    assert fine == "ok"
 
 
 def test_arguments_are_checked():

@@ -1,3 +1,8 @@
+import json
+import threading
+import time
+
+import pytest
 import torch
 
 from ctr_lightning.strategies import OverlappedMerge
@@ -5,30 +10,94 @@ from ctr_lightning.strategies.merged_tensors import MergedTensors
 
 
 class Shrink:
-    """Stands in for the ranks' average: the other ranks' snapshots were all smaller."""
+    """Stands in for the ranks' average: the other ranks' snapshots were all smaller. The
+    first call (the weights) waits for ``release``, as a slow link would."""
 
-    def __init__(self):
+    def __init__(self, release: threading.Event | None = None):
         self.wire_dtypes = []
+        self.release = release
 
     def __call__(self, tensors, within_node_only=False, wire_dtype=None):
+        if self.release is not None and not self.wire_dtypes:
+            self.release.wait(timeout=60)
         self.wire_dtypes.append(wire_dtype)
         for t in tensors:
             t.mul_(0.5)
 
 
 def test_correction_is_average_minus_snapshot_and_squares_stay_non_negative():
-    shrink = Shrink()
+    release = threading.Event()
+    shrink = Shrink(release)
     merge = OverlappedMerge(shrink)
     weights, squares = torch.tensor([4.0, -2.0]), torch.tensor([1.0, 3.0])
     merge.launch(MergedTensors([weights], [weights], [squares], [True], torch.bfloat16))
     assert merge.pending
     weights += 1.0  # local steps while the merge travels
     squares -= torch.tensor([0.0, 2.5])
+    released_at = []
+
+    def let_go():
+        time.sleep(0.3)
+        released_at.append(time.perf_counter())
+        release.set()
+
+    threading.Thread(target=let_go).start()
+    called_at = time.perf_counter()
     divergence, waited = merge.apply()
     # x + (0.5 * snapshot - snapshot)
     assert weights.tolist() == [5.0 - 2.0, -1.0 + 1.0]
     assert squares.tolist() == [1.0 - 0.5, 0.0]  # 0.5 - 1.5 clamped at 0
-    assert divergence > 0 and waited >= 0
+    # The snapshot's distance from its average, |s - 0.5 s| / |0.5 s| = 1, is itself averaged
+    # over the ranks, which the stand-in does by halving.
+    assert divergence == pytest.approx(0.5)
+    # apply() cannot return before the average arrives: it reports at least the time from
+    # the call to the release (less the moment between reading the clock here and in apply).
+    assert waited >= (released_at[0] - called_at) * 1000 - 50
     assert shrink.wire_dtypes[:2] == [None, torch.bfloat16]  # weights exactly, moments in their dtype
     assert merge.apply() is None and not merge.pending
     merge.close()
+
+
+RANK_SCRIPT = r"""
+import json, sys
+import torch, torch.distributed as dist
+from ctr_lightning.strategies import OverlappedMerge
+from ctr_lightning.strategies.hierarchical_average import HierarchicalAverage
+from ctr_lightning.strategies.merged_tensors import MergedTensors
+from ctr_lightning.strategies.node_layout import NodeLayout
+
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+layout = NodeLayout.of(world_size=2, rank=rank, local_world_size=2)
+merge = OverlappedMerge(HierarchicalAverage(layout, *layout.groups(), bucket_bytes=16))
+g = torch.Generator().manual_seed(rank)
+weights = torch.randn(10, generator=g)
+squares = torch.rand(10, generator=g)
+snapshot = (weights.clone(), squares.clone())
+merge.launch(MergedTensors([weights], [weights], [squares], [True], torch.float32))
+weights += 0.25 * (rank + 1)  # local steps while the average travels
+squares *= 0.5
+divergence, waited = merge.apply()
+print("RESULT " + json.dumps({"snapshot": [t.tolist() for t in snapshot], "after": [weights.tolist(), squares.tolist()],
+                              "divergence": divergence}), flush=True)
+merge.close()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_apply_the_average_of_their_snapshots(run_ranks):
+    results = run_ranks(RANK_SCRIPT, ["{port}"], world=2, ddp_env=False)
+    snapshots = [[torch.tensor(t) for t in r["snapshot"]] for r in results]
+    mean = [(a + b) / 2 for a, b in zip(*snapshots)]
+    for rank, result in enumerate(results):
+        weights, squares = (torch.tensor(t) for t in result["after"])
+        own_weights, own_squares = snapshots[rank]
+        local_weights = own_weights + 0.25 * (rank + 1)
+        torch.testing.assert_close(weights, local_weights + mean[0] - own_weights, atol=1e-6, rtol=0)
+        torch.testing.assert_close(squares, (own_squares * 0.5 + mean[1] - own_squares).clamp(min=0), atol=1e-6,
+                                   rtol=0)
+    # Both report the mean over ranks of each snapshot's distance from the average.
+    distances = [float((s[0] - mean[0]).norm() / mean[0].norm()) for s in snapshots]
+    for result in results:
+        assert result["divergence"] == pytest.approx(sum(distances) / 2, rel=1e-5)

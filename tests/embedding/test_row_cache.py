@@ -1,0 +1,56 @@
+import numpy as np
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ctr_lightning.embedding import SparseSGD, StorageConfig, TieredEmbeddingBagCollection
+from ctr_lightning.embedding.row_cache import RowCache, Rows
+
+HOT = 1000
+
+
+def _put(cache: RowCache, ids: list[int]) -> None:
+    """What a tier's user does for rows it does not hold: evict, then insert, then touch."""
+    tables = np.zeros(len(ids), dtype=np.int64)
+    victims, _ = cache.choose_victims(cache.room_needed(tables), np.empty(0, dtype=np.int64), ["t"])
+    cache.release(victims)
+    slots = cache.insert(Rows(tables, np.array(ids, dtype=np.int64), torch.zeros(len(ids), 2),
+                              np.zeros(len(ids), dtype=bool)))
+    cache.touch(slots)
+
+
+@pytest.mark.parametrize("lfu", [True, False])
+def test_a_hot_row_survives_a_scan_under_lfu_only(lfu):
+    cache = RowCache(width=2, capacities=[4], lfu=[lfu], device="cpu")
+    _put(cache, [HOT])
+    for _ in range(10):  # used often, then not at all while a scan passes through
+        cache.touch(cache.lookup(np.zeros(1, dtype=np.int64), np.array([HOT])))
+    for i in range(40):
+        _put(cache, [i])
+    held = cache.lookup(np.zeros(1, dtype=np.int64), np.array([HOT]))[0] >= 0
+    assert held == lfu
+    assert len(cache) == 4
+
+
+@pytest.mark.parametrize("eviction", ["lfu", "lru"])
+def test_the_collection_keeps_a_hot_row_through_a_scan_under_lfu_only(tmp_path, eviction):
+    table = EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=1000, feature_names=["f"])
+    ebc = TieredEmbeddingBagCollection([table], optimizer=SparseSGD(lr=0.1), storage=StorageConfig(
+        device_rows=8, host_rows=0, ssd_dir=str(tmp_path), eviction=eviction))
+
+    def step(ids: list[int]) -> None:
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor(ids),
+                                                  lengths=torch.ones(len(ids), dtype=torch.int64))
+        ebc(kjt).values().sum().backward()
+
+    for _ in range(10):
+        step([HOT, 1, 2])
+    for start in range(10, 200, 4):  # a scan of never-seen ids, four a step
+        step(list(range(start, start + 4)))
+    before = ebc.tier_stats()
+    step([HOT])
+    after = ebc.tier_stats()
+    from_device = after["device_hits"] - before["device_hits"]
+    from_ssd = after["ssd_hits"] - before["ssd_hits"]
+    assert (from_device, from_ssd) == ((1, 0) if eviction == "lfu" else (0, 1))
