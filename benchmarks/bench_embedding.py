@@ -137,9 +137,9 @@ def ours(rows: int, storage: StorageConfig | None, cold: bool = False):
         ebc(kjt).values().sum().backward()
         if cold:  # the SSD tier's pages leave the page cache: reads go to the device
             for group in ebc._built().groups:
-                with group.ssd.lock:
-                    os.fdatasync(group.ssd.fd)
-                    os.posix_fadvise(group.ssd.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                with group.tiers.ssd.lock:
+                    os.fdatasync(group.tiers.ssd.fd)
+                    os.posix_fadvise(group.tiers.ssd.fd, 0, 0, os.POSIX_FADV_DONTNEED)
     return ebc, step
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -12,16 +11,18 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ctr_lightning.strategies.checkpoint_merge import CheckpointMerge
 from ctr_lightning.strategies.hierarchical_average import HierarchicalAverage
+from ctr_lightning.strategies.kstep_monitor import KStepMonitor
+from ctr_lightning.strategies.merge_schedule import MergeSchedule
 from ctr_lightning.strategies.merged_tensors import MergedTensors
 from ctr_lightning.strategies.node_layout import NodeLayout
 from ctr_lightning.strategies.overlapped_merge import OverlappedMerge
-
-log = logging.getLogger(__name__)
 
 Mode = Literal["all", "node"]
 MomentDtype = Literal["bfloat16", "float32"]
@@ -74,10 +75,14 @@ class KStepAdamStrategy(DDPStrategy):
     (:meth:`lightning_module_state_dict`).
 
     The node layout is ``local_world_size`` ranks per node (default: the launcher's
-    ``LOCAL_WORLD_SIZE``, else Lightning's devices per node). Logged every step: bytes
-    sent inside and across nodes (``kstep/intra_node_bytes``, ``kstep/inter_node_bytes``,
-    counted as ring collectives send them); at merges ``kstep/merge_ms`` and
-    ``kstep/divergence`` (the ranks' mean relative L2 distance from the merged model).
+    ``LOCAL_WORLD_SIZE``, else Lightning's devices per node). When a merge is due is
+    decided by a :class:`MergeSchedule`; a ``TieredEmbeddingBagCollection`` with
+    ``sparse_sync="k_step"`` and no ``sync_every`` of its own merges its tables with the
+    same ``k`` and warm-up. Logged (by :class:`KStepMonitor`, added to the Trainer when
+    absent) every step: bytes sent inside and across nodes (``kstep/intra_node_bytes``,
+    ``kstep/inter_node_bytes``, counted as ring collectives send them); at merges
+    ``kstep/merge_ms`` and ``kstep/divergence`` (the ranks' mean relative L2 distance from
+    the merged model). Registered as ``"kstep_adam"``: ``Trainer(strategy="kstep_adam")``.
 
     Example::
 
@@ -98,12 +103,12 @@ class KStepAdamStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"KStepAdamStrategy: k must be an integer >= 1, got {k!r}")
+        try:
+            self.schedule = MergeSchedule(k=k, warmup_steps=warmup_steps)
+        except ValueError as e:
+            raise ValueError(f"KStepAdamStrategy: {e}") from None
         if mode not in ("all", "node"):
             raise ValueError(f"KStepAdamStrategy: mode must be 'all' or 'node', got {mode!r}")
-        if warmup_steps < 0:
-            raise ValueError(f"KStepAdamStrategy: warmup_steps must be >= 0, got {warmup_steps}")
         if bucket_bytes < 1:
             raise ValueError(f"KStepAdamStrategy: bucket_bytes must be >= 1, got {bucket_bytes}")
         if moment_dtype not in _MOMENT_DTYPES:
@@ -116,19 +121,38 @@ class KStepAdamStrategy(DDPStrategy):
         self.bucket_bytes = bucket_bytes
         self.overlap = overlap
         self.moment_dtype = _MOMENT_DTYPES[moment_dtype]
-        self.overlapped: OverlappedMerge | None = None
         self._local_world_size = local_world_size
+        # Made in setup_environment(), once the process group exists.
         self.layout: NodeLayout | None = None
         self.average: HierarchicalAverage | None = None
-        self.optimizer_steps = 0
+        self.overlapped: OverlappedMerge | None = None
+        self.checkpoint_merge: CheckpointMerge | None = None
         self.merges = 0
-        self._last_merge_step = 0  # ranks were equal after this many optimizer steps
         self.last_divergence: float | None = None
-        # While a checkpoint is built between merges (dropped at the next step): the live
-        # tensors, and id of a live moment -> its merged copy once averaged.
-        self._checkpoint_moments: tuple[MergedTensors, dict[int, torch.Tensor] | None] | None = None
+        self._metrics: list[tuple[int, dict[str, float]]] = []  # (step, metrics), for KStepMonitor
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register("kstep_adam", cls, description="k-step model merging for Adam (KStepAdamStrategy)",
+                                   override=True)
 
     # -- set-up ----------------------------------------------------------------------------
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # joins the process group
+        local = self._local_world_size
+        if local is None and "LOCAL_WORLD_SIZE" not in os.environ:
+            local = self.num_processes  # Lightning's devices per node
+        self.layout = NodeLayout.of(self.world_size, self.global_rank, local)
+        intra, cross = self.layout.groups() if self.world_size > 1 else (None, None)
+        self.average = HierarchicalAverage(self.layout, intra, cross, self.bucket_bytes)
+        self.checkpoint_merge = CheckpointMerge(self.average, self.moment_dtype)
+        if self.overlap and self.world_size > 1 and self.k > 1:
+            # Groups of its own: its collectives run in another thread, beside the per-step ones.
+            self.overlapped = OverlappedMerge(HierarchicalAverage(self.layout, *self.layout.groups(),
+                                                                  self.bucket_bytes))
 
     @override
     def configure_ddp(self) -> None:
@@ -140,24 +164,20 @@ class KStepAdamStrategy(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != "fit":
             return
-        local = self._local_world_size
-        if local is None and "LOCAL_WORLD_SIZE" not in os.environ:
-            local = self.num_processes  # Lightning's devices per node
-        self.layout = NodeLayout.of(self.world_size, self.global_rank, local)
         if self.mode == "node" and self.layout.num_nodes < 2:
             raise ValueError(
                 f"KStepAdamStrategy: mode='node' merges across nodes, but the {self.world_size} ranks form one node "
                 f"(local_world_size={self.layout.local_world_size}); use mode='all' or set local_world_size")
         for optimizer in self.optimizers:
             self._check_optimizer(optimizer)
-        intra, cross = self.layout.groups() if self.world_size > 1 else (None, None)
-        self.average = HierarchicalAverage(self.layout, intra, cross, self.bucket_bytes)
-        if self.overlap and self.world_size > 1 and self.k > 1:
-            # Groups of its own: its collectives run in another thread, beside the per-step ones.
-            self.overlapped = OverlappedMerge(HierarchicalAverage(self.layout, *self.layout.groups(),
-                                                                  self.bucket_bytes))
         # Without DDP nobody else makes the replicas start equal.
         self._broadcast_start()
+        for module in self.lightning_module.modules():
+            follow = getattr(module, "follow_merge_schedule", None)  # sparse tables merging every k steps
+            if follow is not None:
+                follow(self.k, self.warmup_steps)
+        if not any(isinstance(c, KStepMonitor) for c in trainer.callbacks):
+            trainer.callbacks.append(KStepMonitor())
         rank_zero_info(f"KStepAdamStrategy: k={self.k}, mode={self.mode}, {self.layout.num_nodes} node(s) x "
                        f"{self.layout.local_world_size} rank(s), warm-up {self.warmup_steps} synchronous steps"
                        + (", merges overlapped with training" if self.overlapped else ""))
@@ -182,12 +202,9 @@ class KStepAdamStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         # A resumed run continues the k-step phase where the checkpoint left it.
         super().on_train_start()
-        self.optimizer_steps = self._last_merge_step = self.lightning_module.trainer.global_step
+        self.schedule.resume(self.lightning_module.trainer.global_step)
 
     # -- one step --------------------------------------------------------------------------
-
-    def _synchronous(self) -> bool:
-        return self.k == 1 or self.optimizer_steps < self.warmup_steps
 
     @override
     def optimizer_step(
@@ -198,12 +215,12 @@ class KStepAdamStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         before = self.comm_bytes()
-        synchronous = self._synchronous()
-        self._checkpoint_moments = None  # the last checkpoint's copies: not kept past it
+        synchronous = self.schedule.synchronous()
+        self.checkpoint_merge.clear()  # the last checkpoint's copies: not kept past it
 
         def closure_then_average() -> Any:
             result = closure()
-            if self.average is not None and self.world_size > 1:
+            if self.world_size > 1:
                 grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
                 if synchronous:
                     self.average(grads)
@@ -212,17 +229,13 @@ class KStepAdamStrategy(DDPStrategy):
             return result
 
         output = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
-        self.optimizer_steps += 1
-        local_steps = self.optimizer_steps - self.warmup_steps
         metrics: dict[str, float] = {}
-        if not synchronous and local_steps > 0 and local_steps % self.k == 0 and self.world_size > 1:
+        if self.schedule.step() and self.world_size > 1:
             metrics.update(self.merge_overlapped() if self.overlapped else self.merge())
-            self._last_merge_step = self.optimizer_steps
-        if self.average is not None:
-            after = self.comm_bytes()  # an overlapped merge's bytes count where they are sent
-            metrics["kstep/intra_node_bytes"] = float(after[0] - before[0])
-            metrics["kstep/inter_node_bytes"] = float(after[1] - before[1])
-        self._log(metrics)
+        after = self.comm_bytes()  # an overlapped merge's bytes count where they are sent
+        metrics["kstep/intra_node_bytes"] = float(after[0] - before[0])
+        metrics["kstep/inter_node_bytes"] = float(after[1] - before[1])
+        self._record(metrics)
         return output
 
     def comm_bytes(self) -> tuple[int, int]:
@@ -285,10 +298,9 @@ class KStepAdamStrategy(DDPStrategy):
         self.merges += 1
         return {"kstep/divergence": self.last_divergence, "kstep/merge_wait_ms": waited}
 
-    def _local_steps_pending(self) -> bool:
+    def _merge_pending(self) -> bool:
         """Whether the ranks took steps on their own since they were last equal."""
-        return (self.k > 1 and self.world_size > 1 and self.average is not None
-                and self.optimizer_steps > max(self.warmup_steps, self._last_merge_step))
+        return self.world_size > 1 and self.schedule.pending()
 
     def merge_local_steps(self) -> None:
         """Collective: merge now whatever the ranks stepped on their own since the last
@@ -296,56 +308,30 @@ class KStepAdamStrategy(DDPStrategy):
         # Validation runs under inference mode; the merged tensors must stay normal ones.
         with torch.inference_mode(False), torch.no_grad():
             metrics = self._apply_overlapped()
-            if self._local_steps_pending():
+            if self._merge_pending():
                 metrics.update(self.merge())
-                self._last_merge_step = self.optimizer_steps
-        self._log(metrics)
+                self.schedule.merged()
+        self._record(metrics)
 
     # -- checkpoints -------------------------------------------------------------------------
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's state; between merges, the merged model's.
+        """The model's state; between merges, the merged model's (see :class:`CheckpointMerge`).
 
-        Every rank builds a checkpoint (rank 0 writes it), so between merges this averages
-        copies of the ranks' models, and :meth:`optimizer_state` copies of their Adam
-        moments. The ranks' own models are left as they are: saving a checkpoint does not
-        change training. With ``overlap=True``, and when saving after an exception (the
-        other ranks may not be saving), the checkpoint holds this rank's model.
+        With ``overlap=True``, and when saving after an exception (the other ranks may not
+        be saving), the checkpoint holds this rank's model.
         """
         state = super().lightning_module_state_dict()
-        self._checkpoint_moments = None
+        self.checkpoint_merge.clear()
         trainer = self.lightning_module.trainer
-        if not self._local_steps_pending() or self.overlapped is not None or trainer.interrupted:
+        if not self._merge_pending() or self.overlapped is not None or trainer.interrupted:
             return state
-        live = self._merged_tensors()
-        with torch.inference_mode(False), torch.no_grad():
-            exact = [t.detach().clone() for t in live.exact]
-            self.average(exact)
-        # The state dict holds detached views of the live tensors: swap in the merged copies.
-        copies = {(t.data_ptr(), t.shape, t.dtype): m for t, m in zip(live.exact, exact) if t.numel()}
-        for name, value in state.items():
-            if isinstance(value, torch.Tensor) and value.numel():
-                state[name] = copies.get((value.data_ptr(), value.shape, value.dtype), value)
-        # Moments are averaged only if the checkpoint asks for optimizer states (not weights-only).
-        self._checkpoint_moments = (live, None)
-        return state
+        return self.checkpoint_merge.model_state(state, self._merged_tensors())
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        state = super().optimizer_state(optimizer)
-        if self._checkpoint_moments is None or not self._checkpoint_moments[0].moments or "state" not in state:
-            return state
-        live, merged = self._checkpoint_moments
-        if merged is None:  # the first optimizer asked: average every optimizer's moments once
-            with torch.inference_mode(False), torch.no_grad():
-                copies = [t.detach().clone() for t in live.moments]
-                self.average(copies, wire_dtype=self.moment_dtype)
-            merged = {id(t): m for t, m in zip(live.moments, copies)}
-            self._checkpoint_moments = (live, merged)
-        # New dicts: the optimizer's state_dict shares its per-parameter dicts with the optimizer.
-        return {**state, "state": {index: {name: merged.get(id(value), value) for name, value in per_param.items()}
-                                   for index, per_param in state["state"].items()}}
+        return self.checkpoint_merge.optimizer_state(super().optimizer_state(optimizer))
 
     @override
     def on_validation_start(self) -> None:
@@ -367,10 +353,14 @@ class KStepAdamStrategy(DDPStrategy):
             self.overlapped.close()  # kept: its byte counts stay readable after fit
         super().teardown()
 
-    def _log(self, metrics: dict[str, float]) -> None:
+    # -- metrics -----------------------------------------------------------------------------
+
+    def _record(self, metrics: dict[str, float]) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if not metrics or trainer is None:
-            return
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
+        if metrics and trainer is not None:
+            self._metrics.append((trainer.global_step, metrics))
+
+    def pop_metrics(self) -> list[tuple[int, dict[str, float]]]:
+        """``(step, metrics)`` recorded since the last call (read by :class:`KStepMonitor`)."""
+        records, self._metrics = self._metrics, []
+        return records

@@ -1,7 +1,7 @@
 """Lightning callbacks for CTR training runs."""
 
 from ctr_lightning.callbacks.data_quality import BadLineMonitor
-from ctr_lightning.callbacks.prefetch import WorkingSetPrefetch
+from ctr_lightning.callbacks.working_set_prefetch import WorkingSetPrefetch
 from ctr_lightning.callbacks.run_summary import RunSummary
 from ctr_lightning.callbacks.throughput import ExamplesPerSecond
 

@@ -3,7 +3,7 @@
 from ctr_lightning.embedding.fused import FusedEmbeddingBagCollection
 from ctr_lightning.embedding.storage_config import StorageConfig, plan_storage
 from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
-from ctr_lightning.embedding.prefetch import WorkingSetPrefetcher
+from ctr_lightning.embedding.working_set_prefetcher import WorkingSetPrefetcher
 from ctr_lightning.embedding.sharding_plan import TableSharding, plan_sharding
 from ctr_lightning.embedding.optimizers import (
     RowWiseAdagrad,

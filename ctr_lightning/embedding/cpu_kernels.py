@@ -6,7 +6,7 @@ and each row's gradient is summed in a fixed order, so results do not depend on 
 thread count or on where the row lived before.
 
 The kernels are bound by memory latency: rows are scattered over a storage of many
-gigabytes, so they prefetch the rows a few steps ahead (see :mod:`cache_hints`).
+gigabytes, so they hint the rows a few steps ahead to the CPU's caches (see :mod:`cache_hints`).
 ``error_model="numpy"`` lets LLVM vectorise the optimizer's divisions (Python's
 ZeroDivisionError check would otherwise force scalar code); no divisor here can be 0:
 bag lengths are counted only for non-empty bags, and the optimizer configs refuse eps <= 0.
@@ -20,11 +20,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ctr_lightning.embedding.cache_hints import prefetch_span
+from ctr_lightning.embedding.cache_hints import hint_span
 
 SGD, ADAGRAD, ROWWISE_ADAGRAD, ADAM = 0, 1, 2, 3
 
-_AHEAD = 4  # rows the backward kernel prefetches ahead of the one it updates
+_AHEAD = 4  # rows the backward kernel hints ahead of the one it updates
 _CHUNK = 512  # rows a backward task updates, with one gradient buffer
 
 
@@ -33,7 +33,7 @@ def pool_forward(storage, dim, slots, inverse, offsets, weights, mean, batch, ou
     """out[b, f*dim : (f+1)*dim] = pooled rows of bag f*batch + b (feature-major bags).
 
     Sample by sample, so each output row is written in one sweep, while the rows of
-    the next sample are prefetched.
+    the next sample are hinted to the caches.
     """
     features = (len(offsets) - 1) // batch
     has_weights = len(weights) > 0
@@ -42,7 +42,7 @@ def pool_forward(storage, dim, slots, inverse, offsets, weights, mean, batch, ou
             for f in range(features):
                 k = f * batch + b + 1
                 for i in range(offsets[k], offsets[k + 1]):
-                    prefetch_span(storage, slots[inverse[i]], 0, dim)
+                    hint_span(storage, slots[inverse[i]], 0, dim)
         for f in range(features):
             k = f * batch + b
             acc = out[b, f * dim : (f + 1) * dim]
@@ -104,11 +104,11 @@ def backward_update(storage, dim, slots, row_ptr, positions, bag, offsets, weigh
         for u in range(chunk * _CHUNK, last):
             ahead = u + _AHEAD
             if ahead < last:
-                prefetch_span(storage, slots[ahead], 0, width)
+                hint_span(storage, slots[ahead], 0, width)
                 for j in range(row_ptr[ahead], row_ptr[ahead + 1]):
                     k = bag[positions[j]]
                     f = k // batch
-                    prefetch_span(grad_out, k - f * batch, f * dim, (f + 1) * dim)
+                    hint_span(grad_out, k - f * batch, f * dim, (f + 1) * dim)
             g[:] = 0.0
             for j in range(row_ptr[u], row_ptr[u + 1]):
                 i = positions[j]

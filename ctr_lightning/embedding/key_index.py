@@ -9,10 +9,10 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from ctr_lightning.embedding.cache_hints import prefetch
+from ctr_lightning.embedding.cache_hints import hint
 
 _EMPTY = np.int64(-1)
-_AHEAD = 16  # probes prefetched ahead in batch lookups
+_AHEAD = 16  # probes hinted ahead in batch lookups
 _CHUNK = 1024  # keys per parallel task
 _PARALLEL_FROM = 4096  # keys from which a batch lookup runs in parallel
 _MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -26,13 +26,13 @@ def _bucket(key: np.int64, tag: np.int64, mask: np.int64) -> np.int64:
 
 @numba.njit(cache=True, nogil=True, inline="always")
 def _lookup_range(keys_table, tags_table, slots_table, keys, tags, out, start, stop):
-    """Slots of keys[start:stop] into out, each probe's bucket prefetched ahead."""
+    """Slots of keys[start:stop] into out, each probe's bucket hinted ahead."""
     mask = np.int64(len(keys_table) - 1)
     for i in range(start, min(stop, start + _AHEAD)):
-        prefetch(keys_table, _bucket(keys[i], tags[i], mask))
+        hint(keys_table, _bucket(keys[i], tags[i], mask))
     for i in range(start, stop):
         if i + _AHEAD < stop:
-            prefetch(keys_table, _bucket(keys[i + _AHEAD], tags[i + _AHEAD], mask))
+            hint(keys_table, _bucket(keys[i + _AHEAD], tags[i + _AHEAD], mask))
         b = _find(keys_table, tags_table, keys[i], tags[i], mask)
         out[i] = slots_table[b] if keys_table[b] != -1 else -1
 
@@ -102,18 +102,19 @@ def _i64(a: np.ndarray) -> np.ndarray:
 
 
 class KeyIndex:
-    """Maps (non-negative int64 key, int64 tag) pairs to int64 slots.
+    """Maps (table, non-negative int64 id) pairs to int64 slots.
 
-    The tag is the table, so one index serves many tables without any id collision.
-    It grows to stay at most half full. With ``parallel``, large batch lookups use every
-    numba thread; leave it off for an index that a background thread reads, so that only
-    one thread ever starts parallel regions.
+    The table is part of the key, so one index serves many tables without any id
+    collision. It grows to stay at most half full. With ``parallel``, large batch lookups
+    use every numba thread; leave it off for an index that a background thread reads, so
+    that only one thread ever starts parallel regions. (Inside, an id is a probe's key
+    and its table the key's tag.)
 
     Example::
 
         index = KeyIndex()
-        index.insert(np.array([10**12, 7]), np.array([0, 3]), slots=np.array([0, 1]))
-        index.lookup(np.array([7, 7]), np.array([3, 0]))   # array([ 1, -1])
+        index.insert(np.array([0, 3]), np.array([10**12, 7]), slots=np.array([0, 1]))
+        index.lookup(np.array([3, 0]), np.array([7, 7]))   # array([ 1, -1])
     """
 
     def __init__(self, capacity: int = 1024, parallel: bool = False) -> None:
@@ -134,10 +135,10 @@ class KeyIndex:
     def __len__(self) -> int:
         return self._count
 
-    def lookup(self, keys: np.ndarray, tags: np.ndarray) -> np.ndarray:
-        """Slot of each (key, tag), -1 where absent."""
-        out = np.empty(len(keys), dtype=np.int64)
-        self._lookup_into(_i64(keys), _i64(tags), out)
+    def lookup(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Slot of each (table, id), -1 where absent."""
+        out = np.empty(len(ids), dtype=np.int64)
+        self._lookup_into(_i64(ids), _i64(tables), out)
         return out
 
     def _lookup_into(self, keys: np.ndarray, tags: np.ndarray, out: np.ndarray) -> None:
@@ -146,17 +147,17 @@ class KeyIndex:
         else:  # starting the threads would cost more than they save
             _lookup(self._keys, self._tags, self._slots, keys, tags, out)
 
-    def lookup_unique(self, keys: np.ndarray, tags: np.ndarray,
+    def lookup_unique(self, tables: np.ndarray, ids: np.ndarray,
                       slot_mark: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """:func:`dedup` and :meth:`lookup` at once: ``(first, inverse, slots)`` with
-        ``slots`` the slot of each unique (key, tag), -1 where absent.
+        ``slots`` the slot of each unique (table, id), -1 where absent.
 
-        Present keys are deduplicated by slot through ``slot_mark``, an integer array
+        Present pairs are deduplicated by slot through ``slot_mark``, an integer array
         that is all -1 before the call and is left so; this costs one array access per
-        key instead of a hash probe. Only for an index whose slots are distinct and all
+        id instead of a hash probe. Only for an index whose slots are distinct and all
         below ``len(slot_mark)``, as a row cache's are (not checked, for speed).
         """
-        keys, tags = _i64(keys), _i64(tags)
+        keys, tags = _i64(ids), _i64(tables)
         n = len(keys)
         found = np.empty(n, dtype=np.int64)
         self._lookup_into(keys, tags, found)
@@ -166,20 +167,20 @@ class KeyIndex:
         unique = _unique_by_slot(keys, tags, found, slot_mark, first, inverse, slots)
         return first[:unique], inverse, slots[:unique]
 
-    def insert(self, keys: np.ndarray, tags: np.ndarray, slots: np.ndarray) -> None:
-        keys = _i64(keys)
+    def insert(self, tables: np.ndarray, ids: np.ndarray, slots: np.ndarray) -> None:
+        keys = _i64(ids)
         if len(keys) and keys.min() < 0:
-            raise ValueError(f"KeyIndex keys must be non-negative, got {int(keys.min())}")
+            raise ValueError(f"KeyIndex ids must be non-negative, got {int(keys.min())}")
         self._reserve(self._count + len(keys))
-        self._count += _insert(self._keys, self._tags, self._slots, keys, _i64(tags), _i64(slots))
+        self._count += _insert(self._keys, self._tags, self._slots, keys, _i64(tables), _i64(slots))
 
-    def remove(self, keys: np.ndarray, tags: np.ndarray) -> None:
-        self._count -= _remove(self._keys, self._tags, self._slots, _i64(keys), _i64(tags))
+    def remove(self, tables: np.ndarray, ids: np.ndarray) -> None:
+        self._count -= _remove(self._keys, self._tags, self._slots, _i64(ids), _i64(tables))
 
     def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """All (keys, tags, slots), in no particular order."""
+        """All (tables, ids, slots), in no particular order."""
         used = self._keys != _EMPTY
-        return self._keys[used].copy(), self._tags[used].copy(), self._slots[used].copy()
+        return self._tags[used].copy(), self._keys[used].copy(), self._slots[used].copy()
 
     def clear(self) -> None:
         self._keys.fill(_EMPTY)
@@ -188,7 +189,7 @@ class KeyIndex:
     def _reserve(self, count: int) -> None:
         if 2 * count <= len(self._keys):
             return
-        keys, tags, slots = self.items()
+        tags, keys, slots = self.items()
         size = len(self._keys)
         while 2 * count > size:
             size *= 2
@@ -239,7 +240,7 @@ def _unique_by_slot(keys, tags, found, slot_mark, first, inverse, slots) -> int:
     unique = 0
     for i in range(n):
         if i + _AHEAD < n and found[i + _AHEAD] >= 0:
-            prefetch(slot_mark, found[i + _AHEAD])
+            hint(slot_mark, found[i + _AHEAD])
         s = found[i]
         if s >= 0:
             u = slot_mark[s]
@@ -261,13 +262,13 @@ def _unique_by_slot(keys, tags, found, slot_mark, first, inverse, slots) -> int:
     return unique
 
 
-def dedup(keys: np.ndarray, tags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unique (key, tag) pairs in order of first appearance: ``(first_index, inverse)``.
+def dedup(tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique (table, id) pairs in order of first appearance: ``(first_index, inverse)``.
 
-    ``keys[first]`` are the unique keys and ``keys[first][inverse] == keys``.
+    ``ids[first]`` are the unique ids (of ``tables[first]``) and ``ids[first][inverse] == ids``.
     """
-    n = len(keys)
+    n = len(ids)
     first = np.empty(n, dtype=np.int64)
     inverse = np.empty(n, dtype=np.int64)
-    unique = _dedup(_i64(keys), _i64(tags), first, inverse)
+    unique = _dedup(_i64(ids), _i64(tables), first, inverse)
     return first[:unique], inverse

@@ -11,57 +11,34 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ctr_lightning.embedding.storage_config import StorageConfig
+from ctr_lightning.embedding.engine import TableEngine, TableState
 from ctr_lightning.embedding.table_checks import align_features
 from ctr_lightning.embedding.table_group import TableGroup
 from ctr_lightning.embedding.table_setup import TableSetup
 
 
-def table_groups(tables: Sequence[EmbeddingBagConfig], storage: Mapping[str, StorageConfig],
-                 id_space: Mapping[str, str]) -> list[list[int]]:
-    """Indices of the tables that share dim, pooling, SSD directory and id space."""
-    keys: dict[tuple, list[int]] = {}
-    for i, t in enumerate(tables):
-        keys.setdefault((t.embedding_dim, t.pooling, storage[t.name].ssd_dir, id_space[t.name]), []).append(i)
-    return list(keys.values())
-
-
-class LocalTables:
+class LocalTables(TableEngine):
     """Tables held whole by this process, grouped so tables that share dim, pooling, SSD
-    directory and id space share tiers and kernel calls.
+    directory and id space share tiers and kernel calls (:class:`TableGroup`).
 
     This is the engine behind :class:`TieredEmbeddingBagCollection` in one process, and
     behind each rank's shard when the collection is sharded.
 
     Example::
 
-        setup = TableSetup({t.name: StorageConfig() for t in tables}, {t.name: "hashed" for t in tables},
-                           False, SparseAdam(), torch.device("cpu"), 0, "auto")
-        local = LocalTables(tables, setup)
+        local = LocalTables(tables, TableSetup.build(tables))
         pooled = local.forward(kjt, train=True)   # [batch, sum of dims], config feature order
     """
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], setup: TableSetup) -> None:
         self.tables = list(tables)
         self.is_weighted = setup.is_weighted
-        self.owner = setup.owner
-        storage = setup.storage
+        self.module_name = setup.module_name
         self.feature_names = [f for t in tables for f in t.feature_names]
         self.dims = [t.embedding_dim for t in tables for _ in t.feature_names]
-        self.groups: list[TableGroup] = []
-        group_tables = table_groups(tables, storage, setup.id_space)
-        for g, members in enumerate(group_tables):
-            members_tables = [tables[i] for i in members]
-            self.groups.append(TableGroup(
-                name=f"group{g}_dim{members_tables[0].embedding_dim}",
-                tables=members_tables,
-                storage=[storage[t.name] for t in members_tables],
-                bounded_ids=[setup.id_space[t.name] == "bounded" for t in members_tables],
-                optimizer=setup.optimizer,
-                device=setup.device,
-                seed=setup.seed,
-                kernel=setup.kernel,
-            ))
+        group_tables = setup.groups(tables)
+        self.groups = [TableGroup(f"group{g}_dim{tables[members[0]].embedding_dim}", [tables[i] for i in members], setup)
+                       for g, members in enumerate(group_tables)]
         self.group_features = [[f for i in members for f in tables[i].feature_names] for members in group_tables]
         # Per group, the local table index of each of its features, in KJT order.
         self.group_feature_tables = [
@@ -81,8 +58,8 @@ class LocalTables:
 
     def split(self, features: KeyedJaggedTensor) -> list[tuple[np.ndarray, np.ndarray, torch.Tensor,
                                                                 torch.Tensor | None]]:
-        """Per group: ``(ids, local table of each id, bag offsets, weights)``."""
-        features = align_features(features, self.group_order, self.tables, self.owner)
+        """Per group: ``(local table of each id, ids, bag offsets, weights)``."""
+        features = align_features(features, self.group_order, self.tables, self.module_name)
         batch = features.stride()
         lengths = features.length_per_key()
         values = features.values()
@@ -97,7 +74,7 @@ class LocalTables:
             ids = values[value_start : value_start + n_values].cpu().numpy().astype(np.int64, copy=False)
             tables = np.repeat(feature_tables, lengths[key_start : key_start + n_keys])
             group_weights = None if weights is None else weights[value_start : value_start + n_values]
-            out.append((ids, tables, group_offsets, group_weights))
+            out.append((tables, ids, group_offsets, group_weights))
             key_start += n_keys
             value_start += n_values
         return out
@@ -107,8 +84,8 @@ class LocalTables:
         :meth:`split` of ``features``, when the caller has it already)."""
         batch = features.stride()
         parts = self.split(features) if parts is None else parts
-        outputs = [group.lookup(ids, tables, offsets, weights, batch, train)
-                   for group, (ids, tables, offsets, weights) in zip(self.groups, parts)]
+        outputs = [group.lookup(tables, ids, offsets, weights, batch, train)
+                   for group, (tables, ids, offsets, weights) in zip(self.groups, parts)]
         pooled = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         if self.column_order is not None:  # groups interleave the config's feature order
             pooled = pooled.index_select(1, self.column_order.to(pooled.device))
@@ -126,7 +103,7 @@ class LocalTables:
         rest (see :meth:`TableGroup.register`). ``reuse_dedup``: the lookup of these very
         ``features`` will reuse the dedup done here (false when it gets other tensors)."""
         reads = []
-        for group, (ids, tables, _, _) in zip(self.groups, self.split(features)):
+        for group, (tables, ids, _, _) in zip(self.groups, self.split(features)):
             missing_tables, missing_ids = group.register(tables, ids, batch, reuse_dedup)
             if len(missing_ids):
                 reads.append(functools.partial(group.stage, missing_tables, missing_ids, batch))
@@ -140,9 +117,9 @@ class LocalTables:
         for group in self.groups:
             group.stop_prefetch()
 
-    def rows(self, table: str, ids: np.ndarray) -> torch.Tensor:
+    def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         g, local = self.table_of_name[table]
-        return self.groups[g].rows(local, ids)
+        return self.groups[g].rows(local, ids.numpy().astype(np.int64, copy=False))
 
     def tier_stats(self) -> dict[str, int]:
         total: dict[str, int] = {}

@@ -19,11 +19,11 @@ def _touch(last_used, uses, slots, clock):
 
 
 @numba.njit(cache=True, nogil=True)
-def _claim(slots, tables, ids, clock, owner, slot_id, dirty, uses, needed_until, last_used):
+def _claim(slots, tables, ids, clock, table_code, slot_id, dirty, uses, needed_until, last_used):
     """The bookkeeping of rows entering ``slots``, in one pass."""
     for i in range(len(slots)):
         s = slots[i]
-        owner[s] = tables[i] + 1
+        table_code[s] = tables[i] + 1
         slot_id[s] = ids[i]
         dirty[s] = False
         uses[s] = 0
@@ -88,7 +88,7 @@ class RowCache:
     def _allocate(self, slots: int) -> None:
         # Uninitialised and calloc'ed arrays: pages cost memory only once a row is used.
         self.values = torch.empty(slots, self.width, device=self.device)
-        self.owner = np.zeros(slots, dtype=np.int32)  # table + 1; 0 marks a free slot
+        self.table_code = np.zeros(slots, dtype=np.int32)  # table + 1; 0 marks a free slot
         self.slot_id = np.empty(slots, dtype=np.int64)
         self.dirty = np.zeros(slots, dtype=bool)
         self.last_used = np.zeros(slots, dtype=np.int64)
@@ -103,18 +103,18 @@ class RowCache:
     @property
     def slot_table(self) -> np.ndarray:
         """Table of each slot handed out so far, -1 where free."""
-        return self.owner[: self.never_used].astype(np.int64) - 1
+        return self.table_code[: self.never_used].astype(np.int64) - 1
 
     def __len__(self) -> int:
         return int(self.occupancy.sum())
 
     def lookup(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        return self.index.lookup(ids, tables)
+        return self.index.lookup(tables, ids)
 
     def lookup_unique(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(first, inverse, slots)``: the unique (table, id) pairs in order of first
         appearance (as :func:`dedup`) and the slot of each, -1 where absent."""
-        return self.index.lookup_unique(ids, tables, self.slot_mark)
+        return self.index.lookup_unique(tables, ids, self.slot_mark)
 
     def touch(self, slots: np.ndarray) -> None:
         if self.unbounded:
@@ -149,15 +149,15 @@ class RowCache:
             return empty, self._rows(empty)
         # Free a little more than asked, so the sort below runs every few batches, not every one.
         wanted = np.where(need > 0, need + self.capacity // 32, 0)
-        owner = self.slot_table
-        candidate = owner >= 0
-        pinned = pinned[pinned < len(owner)]
+        slot_table = self.slot_table
+        candidate = slot_table >= 0
+        pinned = pinned[pinned < len(slot_table)]
         candidate[pinned] = False
-        candidate &= need[np.maximum(owner, 0)] > 0
+        candidate &= need[np.maximum(slot_table, 0)] > 0
         slots = np.flatnonzero(candidate)
-        score = np.where(self.lfu[owner[slots]], self.uses[slots], self.last_used[slots])
-        order = np.lexsort((self.last_used[slots], score, owner[slots]))
-        slots, tables = slots[order], owner[slots[order]]
+        score = np.where(self.lfu[slot_table[slots]], self.uses[slots], self.last_used[slots])
+        order = np.lexsort((self.last_used[slots], score, slot_table[slots]))
+        slots, tables = slots[order], slot_table[slots[order]]
         start = np.searchsorted(tables, np.arange(len(need)))
         available = np.bincount(tables, minlength=len(need))
         short = np.flatnonzero(available < need)
@@ -172,10 +172,10 @@ class RowCache:
         return victims, self._rows(victims)
 
     def release(self, slots: np.ndarray) -> None:
-        tables = self.owner[slots].astype(np.int64) - 1
-        self.index.remove(self.slot_id[slots], tables)
+        tables = self.table_code[slots].astype(np.int64) - 1
+        self.index.remove(tables, self.slot_id[slots])
         self.occupancy -= np.bincount(tables, minlength=len(self.occupancy))
-        self.owner[slots] = 0
+        self.table_code[slots] = 0
         self.dirty[slots] = False
         self.free = np.concatenate([self.free, slots])
 
@@ -183,7 +183,7 @@ class RowCache:
         reused = self.free[len(self.free) - min(n, len(self.free)) :][::-1].copy()
         self.free = self.free[: len(self.free) - len(reused)]
         rest = n - len(reused)
-        if self.never_used + rest > len(self.owner):
+        if self.never_used + rest > len(self.table_code):
             self._grow(self.never_used + rest)
         fresh = np.arange(self.never_used, self.never_used + rest, dtype=np.int64)
         self.never_used += rest
@@ -208,21 +208,21 @@ class RowCache:
             fresh = self._take_slots(int(new.sum()))
             slots[new] = fresh
             fresh_tables, fresh_ids = tables[new], ids[new]
-        self.index.insert(fresh_ids, fresh_tables, fresh)
-        _claim(fresh, fresh_tables, fresh_ids, self.clock, self.owner, self.slot_id, self.dirty, self.uses,
+        self.index.insert(fresh_tables, fresh_ids, fresh)
+        _claim(fresh, fresh_tables, fresh_ids, self.clock, self.table_code, self.slot_id, self.dirty, self.uses,
                self.needed_until, self.last_used)
         self.occupancy += np.bincount(fresh_tables, minlength=len(self.occupancy))
         self.dirty[slots] |= dirty
         return slots
 
     def _grow(self, needed: int) -> None:
-        old = len(self.owner)
+        old = len(self.table_code)
         size = max(needed, 2 * old)
         values = torch.empty(size, self.width, device=self.device)
         values[:old] = self.values
         self.values = values
         pad = size - old
-        self.owner = np.concatenate([self.owner, np.zeros(pad, dtype=np.int32)])
+        self.table_code = np.concatenate([self.table_code, np.zeros(pad, dtype=np.int32)])
         self.slot_id = np.concatenate([self.slot_id, np.empty(pad, dtype=np.int64)])
         self.dirty = np.concatenate([self.dirty, np.zeros(pad, dtype=bool)])
         self.last_used = np.concatenate([self.last_used, np.zeros(pad, dtype=np.int64)])
@@ -232,7 +232,7 @@ class RowCache:
 
     def _rows(self, slots: np.ndarray) -> Rows:
         index = torch.from_numpy(slots).to(self.device)
-        return Rows(self.owner[slots].astype(np.int64) - 1, self.slot_id[slots].copy(),
+        return Rows(self.table_code[slots].astype(np.int64) - 1, self.slot_id[slots].copy(),
                     self.values.index_select(0, index), self.dirty[slots].copy())
 
     def entries(self) -> Rows:
@@ -240,4 +240,12 @@ class RowCache:
         return self._rows(np.flatnonzero(self.slot_table >= 0))
 
     def clear(self) -> None:
-        self._allocate(len(self.owner))
+        self._allocate(len(self.table_code))
+
+    def to(self, device: torch.device | str) -> RowCache:
+        """Move the rows to ``device``; the bookkeeping stays in host memory."""
+        device = torch.device(device)
+        if device != self.device:
+            self.values = self.values.to(device)
+            self.device = device
+        return self

@@ -13,7 +13,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from ctr_lightning.checkpoint_safe import checkpoint_safe
 
 ShardingKind = Literal["row_wise", "table_wise"]
-_KINDS = ("row_wise", "table_wise")
+SHARDING_KINDS = ("row_wise", "table_wise")
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 
 
@@ -58,7 +58,7 @@ def plan_sharding(
     for name, kind in kinds.items():
         if kind == "auto":
             kinds[name] = "row_wise" if world_size > 1 and sizes[name] > even_share else "table_wise"
-        elif kind not in _KINDS:
+        elif kind not in SHARDING_KINDS:
             raise ValueError(f"table {name!r}: sharding must be 'row_wise', 'table_wise' or 'auto', got {kind!r}")
     load = np.zeros(world_size)
     for name in names:

@@ -164,7 +164,7 @@ class SsdStore(RecordFile):
     def read(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(found mask, rows [found, width], records)`` for the rows stored here."""
         with self.lock:
-            records = self.index.lookup(ids, tables)
+            records = self.index.lookup(tables, ids)
             found = records >= 0
             return found, self._read(self.fd, records[found]), records[found]
 
@@ -173,7 +173,7 @@ class SsdStore(RecordFile):
         changes whenever its stored copy does (the log never rewrites a record in place,
         except by compaction, which the token counts)."""
         with self.lock:
-            records = self.index.lookup(ids, tables)
+            records = self.index.lookup(tables, ids)
             return records, np.where(records >= 0, records + (self.compactions << 40), -1), self.fd
 
     def write(self, tables: np.ndarray, ids: np.ndarray, rows: np.ndarray) -> None:
@@ -183,14 +183,14 @@ class SsdStore(RecordFile):
         with self.lock:
             records = np.arange(self.records, self.records + len(ids), dtype=np.int64)
             self._write(self.fd, rows, records)
-            self.index.insert(ids, tables, records)  # only now do readers see the new copies
+            self.index.insert(tables, ids, records)  # only now do readers see the new copies
             self.records += len(ids)
             if self.records > 2 * len(self.index) + self.garbage_records:
                 self.compact()
 
     def compact(self, chunk_rows: int = 1 << 16) -> None:
         """Rewrite the live records into a new file and swap it in, ``chunk_rows`` at a time."""
-        ids, tables, records = self.index.items()
+        tables, ids, records = self.index.items()
         order = np.argsort(records, kind="stable")
         ids, tables, records = ids[order], tables[order], records[order]
         tmp = self.path.with_name(self.path.name + ".compact")
@@ -210,7 +210,7 @@ class SsdStore(RecordFile):
         if self._retired >= 0:
             os.close(self._retired)
         self._retired, self.fd = self.fd, fd
-        self.index.insert(ids, tables, np.arange(len(ids), dtype=np.int64))
+        self.index.insert(tables, ids, np.arange(len(ids), dtype=np.int64))
         self.records = len(ids)
         self.compactions += 1
 
@@ -222,7 +222,7 @@ class SsdStore(RecordFile):
 
     def entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """All stored ``(tables, ids, rows)``."""
-        ids, tables, _ = self.index.items()
+        tables, ids, _ = self.index.items()
         _, rows, _ = self.read(tables, ids)
         return tables, ids, rows
 

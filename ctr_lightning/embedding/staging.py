@@ -70,7 +70,7 @@ class StagedRows:
             at = self._end - self._base
             self._rows[at : at + n] = chunk.rows
             self._tokens[at : at + n] = chunk.tokens
-            self._index.insert(chunk.ids, chunk.tables, np.arange(self._end, self._end + n, dtype=np.int64))
+            self._index.insert(chunk.tables, chunk.ids, np.arange(self._end, self._end + n, dtype=np.int64))
             self._chunks.append((chunk, self._end))
             self._end += n
 
@@ -111,7 +111,7 @@ class StagedRows:
         found = np.zeros(len(ids), dtype=bool)
         if not self._chunks or not len(ids):
             return found, torch.empty(0), 0
-        positions = self._index.lookup(ids, tables)
+        positions = self._index.lookup(tables, ids)
         hit = np.flatnonzero(positions >= 0)
         stale = 0
         if len(hit):
@@ -130,9 +130,9 @@ class StagedRows:
         while self._chunks and self._chunks[0][0].batch <= batch:
             chunk, start = self._chunks.popleft()
             # Rows a later chunk staged again stay, with that chunk's copy.
-            positions = self._index.lookup(chunk.ids, chunk.tables)
+            positions = self._index.lookup(chunk.tables, chunk.ids)
             own = (positions >= start) & (positions < start + len(chunk.ids))
-            self._index.remove(chunk.ids[own], chunk.tables[own])
+            self._index.remove(chunk.tables[own], chunk.ids[own])
 
     def clear(self) -> None:
         self._arrived.clear()

@@ -2,28 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import os
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from ctr_lightning.embedding.engine import TableEngine
+from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
-from ctr_lightning.embedding.local_tables import LocalTables, table_groups
-from ctr_lightning.embedding.replicated_tables import ReplicatedTables
-from ctr_lightning.embedding.sharded_tables import ShardedTables
-from ctr_lightning.embedding.sharding_plan import TableSharding, plan_sharding
+from ctr_lightning.embedding.sharding_plan import SHARDING_KINDS, TableSharding, plan_sharding
 from ctr_lightning.embedding.storage_config import StorageConfig
-from ctr_lightning.embedding.sparse_update import state_width
 from ctr_lightning.embedding.table_checks import check_tables
-from ctr_lightning.embedding.table_group import TableGroup
-from ctr_lightning.embedding.table_setup import TableSetup
+from ctr_lightning.embedding.table_setup import TableSetup, check_kernel_device
+from ctr_lightning.strategies.merge_schedule import MergeSchedule
+
+DEFAULT_SYNC_EVERY = 16
 
 
 class TieredEmbeddingBagCollection(nn.Module):
@@ -62,6 +61,8 @@ class TieredEmbeddingBagCollection(nn.Module):
             (pulling rows it lacks from their owners) and every ``sync_every`` training
             steps pushes the deltas to the owners, who average them over the ranks that
             touched each row (see :class:`ReplicatedTables`).
+        sync_every: k of ``sparse_sync="k_step"``; default: the ``k`` (and warm-up) of a
+            :class:`KStepAdamStrategy` training the module, else 16.
 
     Example::
 
@@ -88,81 +89,69 @@ class TieredEmbeddingBagCollection(nn.Module):
         sharding: str | Mapping[str, str] = "row_wise",
         process_group: dist.ProcessGroup | None = None,
         sparse_sync: str = "step",
-        sync_every: int = 16,
+        sync_every: int | None = None,
     ) -> None:
         super().__init__()
-        features = check_tables(tables, type(self).__name__)
-        names = [t.name for t in tables]
-        storage = storage if storage is not None else StorageConfig()
-        per_table = _per_table(storage, names, "storage", StorageConfig)
-        spaces = _per_table(id_space, names, "id_space", str)
-        for name, space in spaces.items():
-            if space not in ("hashed", "bounded"):
-                raise ValueError(f"table {name!r}: id_space must be 'hashed' or 'bounded', got {space!r}")
-        for t in tables:
-            if t.pooling not in (PoolingType.SUM, PoolingType.MEAN):
-                raise ValueError(f"table {t.name!r}: pooling {t.pooling.name} is not supported (SUM or MEAN)")
-            if is_weighted and t.pooling != PoolingType.SUM:
-                raise ValueError(f"table {t.name!r}: weighted bags need SUM pooling, got {t.pooling.name}")
-        self._tables = list(tables)
-        self._is_weighted = is_weighted
-        self._feature_names = features
-        self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
-        self._storage = per_table
-        self._id_space = spaces
-        self._optimizer = optimizer
-        self._seed = seed
-        self._kernel = kernel
-        self._device = torch.device(device or "cpu")
-        if isinstance(sharding, str) and sharding not in ("row_wise", "table_wise", "auto"):
+        self._feature_names = check_tables(tables, type(self).__name__)
+        self._setup = TableSetup.build(tables, storage, optimizer, id_space, is_weighted, device, seed, kernel,
+                                       module_name=type(self).__name__)
+        if isinstance(sharding, str) and sharding not in (*SHARDING_KINDS, "auto"):
             raise ValueError(f"sharding must be 'row_wise', 'table_wise', 'auto' or a dict, got {sharding!r}")
-        self._sharding = sharding
-        self._process_group = process_group
         if sparse_sync not in ("step", "k_step"):
             raise ValueError(f"sparse_sync must be 'step' or 'k_step', got {sparse_sync!r}")
-        if sync_every < 1:
+        if sync_every is not None and sync_every < 1:
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        self._tables = list(tables)
+        self._is_weighted = is_weighted
+        self._dims = [t.embedding_dim for t in tables for _ in t.feature_names]
+        self._sharding = sharding
+        self._process_group = process_group
         self._sparse_sync = sparse_sync
         self._sync_every = sync_every
-        if kernel not in ("auto", "numba", "torch"):
-            raise ValueError(f"kernel must be 'auto', 'numba' or 'torch', got {kernel!r}")
-        if kernel == "numba" and torch.device(device or "cpu").type != "cpu":
-            raise ValueError("kernel='numba' needs the device tier in CPU memory")
-        for members in table_groups(tables, per_table, spaces):
-            group = [tables[i] for i in members]
-            width = group[0].embedding_dim + state_width(optimizer, group[0].embedding_dim)
-            TableGroup.check_storage([t.name for t in group], [per_table[t.name] for t in group], width * 4)
-            if per_table[group[0].name].ssd_dir is not None:
-                _check_directory(per_table[group[0].name].ssd_dir, [t.name for t in group])
+        self._merge_schedule = MergeSchedule(k=sync_every or DEFAULT_SYNC_EVERY)
         # Built on first use: only then is it known whether torch.distributed runs, and
         # the collection shards itself over the ranks (Lightning starts them after the
         # model is made).
-        self._engine: LocalTables | ShardedTables | ReplicatedTables | None = None
+        self._engine: TableEngine | None = None
 
-    def _built(self) -> LocalTables | ShardedTables | ReplicatedTables:
+    def follow_merge_schedule(self, k: int, warmup_steps: int = 0) -> None:
+        """Merge the replicas of ``sparse_sync="k_step"`` with a k-step strategy's ``k`` and
+        warm-up, unless ``sync_every`` was given. :class:`KStepAdamStrategy` calls this at
+        set-up, so a user sets k once."""
+        if self._sync_every is None:
+            MergeSchedule(k=k, warmup_steps=warmup_steps)  # checks them
+            # In place: a replicated engine already built holds this very schedule.
+            self._merge_schedule.k, self._merge_schedule.warmup_steps = k, warmup_steps
+
+    def _built(self) -> TableEngine:
         if self._engine is not None:
             return self._engine
-        group = self._process_group
-        if group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        process_group = self._process_group
+        if (process_group is None and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() > 1):
             # Its own group, so the all-to-alls never interleave with DDP's all-reduces.
-            group = dist.new_group()
-        setup = TableSetup(self._storage, self._id_space, self._is_weighted, self._optimizer, self._device,
-                           self._seed, self._kernel, owner=type(self).__name__)
-        if group is not None and group.size() > 1:
-            plan = plan_sharding(self._tables, group.size(), self._sharding)
+            process_group = dist.new_group()
+        if process_group is not None and process_group.size() > 1:
+            from ctr_lightning.embedding.distributed import ReplicatedTables, ShardedTables
+
+            plan = plan_sharding(self._tables, process_group.size(), self._sharding)
             if self._sparse_sync == "k_step":
-                self._engine = ReplicatedTables(self._tables, setup, plan, group, sync_every=self._sync_every)
+                self._engine = ReplicatedTables(self._tables, self._setup, plan, process_group, self._merge_schedule)
             else:
-                self._engine = ShardedTables(self._tables, setup, plan, group)
+                self._engine = ShardedTables(self._tables, self._setup, plan, process_group)
         else:
-            self._engine = LocalTables(self._tables, setup)
+            self._engine = LocalTables(self._tables, self._setup)
         return self._engine
+
+    @property
+    def device(self) -> torch.device:
+        """Where the device tier lives; it follows ``module.to(device)``."""
+        return self._setup.device
 
     @property
     def sharding_plan(self) -> dict[str, TableSharding] | None:
         """Per table, how it is split over ranks; None when the collection is not sharded."""
-        engine = self._built()
-        return engine.plan if isinstance(engine, (ShardedTables, ReplicatedTables)) else None
+        return self._built().sharding_plan
 
     # -- torchrec's interface ----------------------------------------------------------------
 
@@ -174,7 +163,7 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         device = features.values().device
-        if self._device.type == "cpu" and device.type != "cpu":
+        if self._setup.device.type == "cpu" and device.type != "cpu":
             # Else the CPU kernels fail deep inside on a tensor they cannot read.
             raise ValueError(f"{type(self).__name__}: tables {[t.name for t in self._tables]} are in cpu memory but "
                              f"the KJT is on {device}; move the module first (.to({str(device)!r}), as Lightning does)")
@@ -187,11 +176,10 @@ class TieredEmbeddingBagCollection(nn.Module):
         super()._apply(fn, recurse)
         # Probed on the current device: a dtype-only conversion (.float(), .to(torch.bfloat16))
         # must leave the tier where it is.
-        device = fn(torch.empty(0, device=self._device)).device
-        if device != self._device:
-            if self._kernel == "numba" and device.type != "cpu":
-                raise ValueError("kernel='numba' needs the device tier in CPU memory")
-            self._device = device
+        device = fn(torch.empty(0, device=self._setup.device)).device
+        if device != self._setup.device:
+            check_kernel_device(self._setup.kernel, device)
+            self._setup = dataclasses.replace(self._setup, device=device)
             if self._engine is not None:
                 self._engine.move_device_tier(device)
         return self
@@ -203,13 +191,10 @@ class TieredEmbeddingBagCollection(nn.Module):
 
         When sharded, this is collective: every rank passes the same ids.
         """
-        if table not in self._storage:
+        if table not in self._setup.storage:
             raise KeyError(f"no table {table!r}; tables are {[t.name for t in self._tables]}")
-        ids = np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64)
-        engine = self._built()
-        if isinstance(engine, (ShardedTables, ReplicatedTables)):
-            return engine.rows(table, torch.from_numpy(ids))
-        return engine.rows(table, ids)
+        ids = torch.as_tensor(np.asarray(ids.cpu() if isinstance(ids, torch.Tensor) else ids, dtype=np.int64))
+        return self._built().rows(table, ids)
 
     def tier_stats(self) -> dict[str, int]:
         """Cumulative counts (this rank): rows served by each tier, rows first created, rows
@@ -219,8 +204,7 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def comm_bytes(self) -> int:
         """Bytes this rank has sent to other ranks in the sharded all-to-alls (0 unsharded)."""
-        engine = self._built()
-        return engine.bytes_sent if isinstance(engine, (ShardedTables, ReplicatedTables)) else 0
+        return self._built().comm_bytes()
 
     # -- working-set prefetch (driven by WorkingSetPrefetcher) -----------------------------
 
@@ -251,24 +235,3 @@ class TieredEmbeddingBagCollection(nn.Module):
         if "tables" not in state:
             raise KeyError("checkpoint holds no 'tables' state for the TieredEmbeddingBagCollection")
         self._built().load(state["tables"])
-
-
-def _check_directory(path: str, tables: list[str]) -> None:
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        raise OSError(e.errno, f"SSD tier of tables {tables}: cannot create files in {path}: {e.strerror}") from e
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(f"SSD tier of tables {tables}: cannot create files in {path}: not writable")
-
-
-def _per_table(value: Any, names: list[str], what: str, kind: type) -> dict[str, Any]:
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - set(names))
-        missing = sorted(set(names) - set(value))
-        if unknown or missing:
-            raise ValueError(f"{what}: unknown tables {unknown}, tables without a setting {missing}")
-        return dict(value)
-    if not isinstance(value, kind):
-        raise TypeError(f"{what} must be a {kind.__name__} or a dict of them, got {value!r}")
-    return {n: value for n in names}

@@ -42,7 +42,8 @@ class DLRMModule(pl.LightningModule):
         sharding: how the tables split over ranks in a distributed run (``"row_wise"``,
             ``"table_wise"``, ``"auto"``); see :class:`TieredEmbeddingBagCollection`.
         sparse_sync, sync_every: ``"step"`` (pooled rows travel every step) or ``"k_step"``
-            (local replicas, deltas averaged by the owners every ``sync_every`` steps).
+            (local replicas, deltas averaged by the owners every ``sync_every`` steps; default: the
+            k of a ``KStepAdamStrategy``, else 16).
 
     Example::
 
@@ -65,7 +66,7 @@ class DLRMModule(pl.LightningModule):
         seed: int = 0,
         sharding: str = "row_wise",
         sparse_sync: str = "step",
-        sync_every: int = 16,
+        sync_every: int | None = None,
     ) -> None:
         super().__init__()
         if not sparse_feature_names:

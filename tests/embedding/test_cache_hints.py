@@ -1,7 +1,7 @@
 import numba
 import numpy as np
 
-from ctr_lightning.embedding.cache_hints import prefetch, prefetch_at, prefetch_span
+from ctr_lightning.embedding.cache_hints import hint, hint_at, hint_span
 
 
 @numba.njit
@@ -9,7 +9,7 @@ def _gather_sum(table, rows, ahead):
     total = 0.0
     for i in range(len(rows)):
         if i + ahead < len(rows):
-            prefetch(table, rows[i + ahead])
+            hint(table, rows[i + ahead])
         total += table[rows[i]]
     return total
 
@@ -18,12 +18,12 @@ def _gather_sum(table, rows, ahead):
 def _gather_rows(table, rows, ahead, out):
     for i in range(len(rows)):
         if i + ahead < len(rows):
-            prefetch_at(table, rows[i + ahead], 0)
-            prefetch_span(table, rows[i + ahead], 0, table.shape[1])
+            hint_at(table, rows[i + ahead], 0)
+            hint_span(table, rows[i + ahead], 0, table.shape[1])
         out[i] = table[rows[i]]
 
 
-def test_prefetch_hints_compile_and_leave_results_alone():
+def test_cache_hints_compile_and_leave_results_alone():
     rng = np.random.default_rng(0)
     flat = rng.integers(0, 1000, 50_000)
     rows = rng.integers(0, len(flat), 10_000)

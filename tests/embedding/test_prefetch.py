@@ -42,7 +42,7 @@ def test_prefetched_training_equals_fetching_on_demand(tmp_path, id_space, devic
     for t in ("t0", "t1"):
         assert torch.equal(ebc.rows(t, ids), plain.rows(t, ids))  # bit for bit
     assert stats["prefetch_bytes"] == stats["prefetched_rows"] * (8 + 16) * 4
-    assert len(ebc._built().groups[0].staged) == 0  # all released at the end
+    assert len(ebc._built().groups[0].working_set.staged) == 0  # all released at the end
     if lookahead == 6:  # the lookahead's working set fits in the device tier: no waiting on SSD
         assert stats["prefetch_hits"] > 500 and stats["ssd_hits"] == 0 and stats["prefetch_stale"] == 0
     else:

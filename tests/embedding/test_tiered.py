@@ -303,7 +303,7 @@ def test_dtype_conversions_leave_the_device_tier_where_it_is():
     # meta stands in for CUDA: .float() / .double() on the module must not pull the tier to CPU.
     ebc = TieredEmbeddingBagCollection(TABLES, device="meta")
     ebc.double()
-    assert ebc._device == torch.device("meta")
+    assert ebc.device == torch.device("meta")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -315,7 +315,7 @@ def test_device_tier_in_gpu_memory_matches_cpu(tmp_path, cpu_steps):
     for step, (kjt, target) in enumerate(workload(0, 20)):
         if step == cpu_steps:
             gpu = gpu.cuda()  # after cpu_steps steps, move_device_tier carries rows and their Adam state
-            assert gpu._built().groups[0].device_tier.values.is_cuda
+            assert gpu._built().groups[0].tiers.device_tier.values.is_cuda
         loss_of(cpu(kjt), target).backward()
         device = "cuda" if step >= cpu_steps else "cpu"
         out = gpu(kjt.to(device))

@@ -12,40 +12,43 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ctr_lightning.embedding.distributed.collectives import UnevenAllToAll, gather_tables, owners_rows
+from ctr_lightning.embedding.engine import TableEngine, TableState
 from ctr_lightning.embedding.key_index import KeyIndex, dedup
 from ctr_lightning.embedding.local_tables import LocalTables
-from ctr_lightning.embedding.row_cache import Rows
-from ctr_lightning.embedding.sharded_tables import gather_tables, owners_rows
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
 from ctr_lightning.embedding.table_setup import TableSetup
+from ctr_lightning.strategies.merge_schedule import MergeSchedule
 
 
-class ReplicatedTables:
+class ReplicatedTables(TableEngine):
     """Owner shards plus a per-rank replica of the rows this rank's batches touch.
 
     Each step, rows the replica lacks are pulled from their owners (ids out, rows with
     optimizer state back: one all-to-all of each). Forward and backward then run on the
     replica alone, with the fused optimizer; no pooled embeddings or gradients travel.
-    Every ``k`` training steps each rank pushes the deltas of the rows it changed to
-    their owners, each owner adds the mean delta of the ranks that touched a row, and the
-    replicas are emptied, so the next steps pull fresh rows.
+    When ``schedule`` says (every ``k`` training steps, after any synchronous warm-up
+    steps) each rank pushes the deltas of the rows it changed to their owners, each owner
+    adds the mean delta of the ranks that touched a row, and the replicas are emptied, so
+    the next steps pull fresh rows.
 
     With ``k=1`` and the same batch on every rank, this equals one process on that batch.
 
     Example::
 
-        tables = ReplicatedTables(configs, setup, plan, group, sync_every=16)   # setup: a TableSetup
+        tables = ReplicatedTables(configs, setup, plan, process_group, MergeSchedule(k=16))
         pooled = tables.forward(local_kjt, train=True)
     """
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], setup: TableSetup, plan: Mapping[str, TableSharding],
-                 group: dist.ProcessGroup, sync_every: int) -> None:
+                 process_group: dist.ProcessGroup, schedule: MergeSchedule) -> None:
         self.tables = list(tables)
         self.plan = dict(plan)
-        self.group = group
-        self.world = group.size()
-        self.rank = dist.get_rank(group)
-        self.k = sync_every
+        self.process_group = process_group
+        self.world = process_group.size()
+        self.rank = dist.get_rank(process_group)
+        self.schedule = schedule
+        self._merge_due = False
         owned = [t for t in tables if plan[t.name].kind == "row_wise" or plan[t.name].owner == self.rank]
         self.shard = LocalTables(owned, setup.for_rank(self.rank))
         # The replica holds one interval's working set, in memory.
@@ -67,17 +70,25 @@ class ReplicatedTables:
         for name, (g, local) in self.shard.table_of_name.items():
             self.shard_group_of[index[name]], self.shard_local_of[index[name]] = g, local
         self._bases: list[list[tuple[np.ndarray, np.ndarray, torch.Tensor]]] = [[] for _ in self.replica.groups]
-        self.trained_steps = 0
         self.merges = 0
-        self.bytes_sent = 0
+        self._exchange = UnevenAllToAll(process_group)
+
+    @property
+    def sharding_plan(self) -> dict[str, TableSharding]:
+        return self.plan
+
+    def comm_bytes(self) -> int:
+        return self._exchange.bytes_sent
 
     # -- one step --------------------------------------------------------------------------
 
     def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
         if train:
-            if self.trained_steps and self.trained_steps % self.k == 0:
+            # The merge after a step runs when the next training step starts: its backward is done.
+            if self._merge_due:
                 self.merge()
-            self.trained_steps += 1
+            # A synchronous step (warm-up) is merged right after, as k = 1 would be.
+            self._merge_due = self.schedule.synchronous() | self.schedule.step()
         parts = self.replica.split(features)
         self._pull(parts)
         return self.replica.forward(features, train, parts)
@@ -89,10 +100,10 @@ class ReplicatedTables:
     def _pull(self, parts: list[tuple[np.ndarray, np.ndarray, Any, Any]]) -> None:
         """Bring the rows of this batch (``LocalTables.split``) that the replica lacks from their owners."""
         wanted_tables, wanted_ids = [], []
-        for g, (group, (ids, tables, _, _)) in enumerate(zip(self.replica.groups, parts)):
-            first, _ = group.dedup_ahead(ids, tables)
+        for g, (group, (tables, ids, _, _)) in enumerate(zip(self.replica.groups, parts)):
+            first, _ = group.dedup_ahead(tables, ids)
             t, i = tables[first], ids[first]
-            missing = group.device_tier.lookup(t, i) < 0
+            missing = group.absent(t, i)
             wanted_tables.append(self.replica_globals[g][t[missing]])
             wanted_ids.append(i[missing])
         tables, ids = np.concatenate(wanted_tables), np.concatenate(wanted_ids)
@@ -102,7 +113,7 @@ class ReplicatedTables:
         counts = np.bincount(dest, minlength=self.world)
         asked = self._exchange(torch.from_numpy(np.stack([tables, ids], axis=1)), counts.tolist())
         answers = [self._owned_rows(a[:, 0].numpy(), a[:, 1].numpy()) for a in asked]
-        received = self._exchange(torch.cat(answers), [a.numel() for a in answers], flat=True)
+        received = self._exchange(torch.cat(answers), [a.numel() for a in answers])
         self._insert(tables, ids, counts, received)
 
     def _owned_rows(self, tables: np.ndarray, ids: np.ndarray) -> torch.Tensor:
@@ -124,7 +135,7 @@ class ReplicatedTables:
                 rows = flat[offset : offset + (end - start) * group.width].view(end - start, group.width)
                 offset += rows.numel()
                 local = self.replica_local_of[t_r[start:end]]
-                group.device_tier.insert(Rows(local, i_r[start:end], rows, np.zeros(end - start, dtype=bool)))
+                group.hold(local, i_r[start:end], rows)
                 self._bases[g].append((local, i_r[start:end], rows.clone()))
 
     # -- every k steps ---------------------------------------------------------------------
@@ -135,16 +146,15 @@ class ReplicatedTables:
         keys: list[list[np.ndarray]] = [[] for _ in range(self.world)]
         flats: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
         for g, group in enumerate(self.replica.groups):
-            entries = group.device_tier.entries()
-            changed = entries.select(entries.dirty)
+            changed = group.changed()
             if not len(changed):
                 continue
             base_index = KeyIndex()
-            base_index.insert(np.concatenate([b[1] for b in self._bases[g]]),
-                              np.concatenate([b[0] for b in self._bases[g]]),
+            base_index.insert(np.concatenate([b[0] for b in self._bases[g]]),
+                              np.concatenate([b[1] for b in self._bases[g]]),
                               np.arange(sum(len(b[1]) for b in self._bases[g]), dtype=np.int64))
             base_rows = torch.cat([b[2] for b in self._bases[g]])
-            position = torch.from_numpy(base_index.lookup(changed.ids, changed.tables))
+            position = torch.from_numpy(base_index.lookup(changed.tables, changed.ids))
             delta = changed.values.cpu() - base_rows[position]
             tables = self.replica_globals[g][changed.tables]
             dest = self._owner(tables, changed.ids)
@@ -156,11 +166,12 @@ class ReplicatedTables:
         sent_keys = [np.concatenate(k) if k else np.empty((0, 2), dtype=np.int64) for k in keys]
         sent_flat = [torch.cat(f) if f else torch.empty(0) for f in flats]
         got_keys = self._exchange(torch.from_numpy(np.concatenate(sent_keys)), [len(k) for k in sent_keys])
-        got_flat = self._exchange(torch.cat(sent_flat), [f.numel() for f in sent_flat], flat=True)
+        got_flat = self._exchange(torch.cat(sent_flat), [f.numel() for f in sent_flat])
         self._apply_deltas(got_keys, got_flat)
         for g, group in enumerate(self.replica.groups):
-            group.device_tier.clear()
+            group.forget()
             self._bases[g] = []
+        self._merge_due = False
         self.merges += 1
 
     def _apply_deltas(self, got_keys: list[torch.Tensor], got_flat: list[torch.Tensor]) -> None:
@@ -178,7 +189,7 @@ class ReplicatedTables:
             tables = np.concatenate([p[0] for p in parts])
             ids = np.concatenate([p[1] for p in parts])
             rows = torch.cat([p[2] for p in parts])
-            first, inverse = dedup(ids, tables)
+            first, inverse = dedup(tables, ids)
             mean = torch.zeros(len(first), rows.shape[1])
             mean.index_add_(0, torch.from_numpy(inverse), rows)
             mean /= torch.from_numpy(np.bincount(inverse, minlength=len(first))).to(mean.dtype)[:, None]
@@ -189,19 +200,6 @@ class ReplicatedTables:
                 local = self.shard_local_of[tables[pick]]
                 group.put_rows(local, ids[pick], group.full_rows(local, ids[pick]) + mean[torch.from_numpy(pick)])
 
-    def _exchange(self, tensor: torch.Tensor, counts: Sequence[int], flat: bool = False) -> list[torch.Tensor]:
-        """all_to_all_single with per-destination sizes (rows of ``tensor``, or elements
-        when ``flat``); returns what each rank sent here."""
-        send = torch.tensor(list(counts), dtype=torch.int64)
-        recv = torch.empty(self.world, dtype=torch.int64)
-        dist.all_to_all_single(recv, send, group=self.group)
-        out = torch.empty((int(recv.sum()), *tensor.shape[1:]), dtype=tensor.dtype)
-        dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv.tolist(),
-                               input_split_sizes=send.tolist(), group=self.group)
-        row_bytes = tensor.element_size() * (int(np.prod(tensor.shape[1:])) if tensor.dim() > 1 else 1)
-        self.bytes_sent += (int(send.sum()) - int(send[self.rank])) * row_bytes
-        return list(torch.split(out, recv.tolist()))
-
     # -- reads, checkpoints ----------------------------------------------------------------
 
     def owns(self, table: str, ids: torch.Tensor) -> torch.Tensor:
@@ -210,15 +208,15 @@ class ReplicatedTables:
     def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Collective: merges first, then every rank gets the owners' rows."""
         self.merge()
-        return owners_rows(self.shard, self.tables, table, self.owns(table, ids), ids, self.group)
+        return owners_rows(self.shard, self.tables, table, self.owns(table, ids), ids, self.process_group)
 
     def tier_stats(self) -> dict[str, int]:
         return self.shard.tier_stats()
 
-    def export(self) -> dict[str, dict[str, Any]]:
+    def export(self) -> dict[str, TableState]:
         """Collective: merges, then every rank gets the rows of all shards, per table."""
         self.merge()
-        state = gather_tables(self.shard.export(), self.tables, self.world, self.group)
+        state = gather_tables(self.shard.export(), self.tables, self.process_group)
         steps = {name: s["steps"] for name, s in self.replica.export().items()}
         for name in state:
             state[name]["steps"] = steps[name]
@@ -227,7 +225,7 @@ class ReplicatedTables:
     def load(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         self.shard.load(state, keep=self.owns)
         for group in self.replica.groups:
-            group.device_tier.clear()
+            group.forget()
             group.steps = np.array([int(state[n]["steps"]) for n in group.names], dtype=np.int64)
         self._bases = [[] for _ in self.replica.groups]
 

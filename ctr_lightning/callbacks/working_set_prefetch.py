@@ -11,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from typing_extensions import override
 
-from ctr_lightning.embedding.prefetch import WorkingSetPrefetcher
+from ctr_lightning.embedding.working_set_prefetcher import WorkingSetPrefetcher
 from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
 
 

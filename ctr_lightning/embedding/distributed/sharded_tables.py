@@ -13,23 +13,29 @@ from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ctr_lightning.embedding.distributed.collectives import gather_tables, owners_rows
+from ctr_lightning.embedding.engine import TableEngine, TableState
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
 from ctr_lightning.embedding.table_checks import align_features
 from ctr_lightning.embedding.table_setup import TableSetup
 
 
-class ShardedTables:
+class ShardedTables(TableEngine):
     """Each rank's shard of the tables, and the two all-to-alls around its lookup.
 
     A rank holds the rows it owns of every row-wise table (an id's owner is
-    :func:`row_owner`) and the table-wise tables placed on it. One step:
+    :func:`row_owner`) and the table-wise tables placed on it. One step, in torchrec's
+    three phases:
 
-    1. ids are bucketed by owner and sent with :class:`KJTAllToAll`: every owner gets,
-       for each of its features, the bags of all ranks' batches (only the ids it owns);
-    2. the owner pools them with its :class:`LocalTables` (row-wise shards pool by sum);
-    3. :class:`PooledEmbeddingsAllToAll` returns each rank's pooled rows; row-wise
-       partial sums are added up (and divided by the bag length for mean pooling).
+    1. :meth:`input_dist`: ids are bucketed by owner and sent with :class:`KJTAllToAll`;
+       every owner gets, for each of its features, the bags of all ranks' batches (only
+       the ids it owns);
+    2. :meth:`compute`: the owner pools them with its :class:`LocalTables` (row-wise
+       shards pool by sum);
+    3. :meth:`output_dist`: :class:`PooledEmbeddingsAllToAll` returns each rank's pooled
+       rows; row-wise partial sums are added up (and divided by the bag length for mean
+       pooling).
 
     Backward runs the same way in reverse, to the owner's fused optimizer. torchrec's
     all-to-all divides the returning gradients by the world size, so the update equals
@@ -38,18 +44,18 @@ class ShardedTables:
     Example::
 
         plan = plan_sharding(tables, dist.get_world_size(), "row_wise")
-        sharded = ShardedTables(tables, setup, plan, group)   # setup: a TableSetup
+        sharded = ShardedTables(tables, setup, plan, process_group)   # setup: a TableSetup
         pooled = sharded.forward(local_kjt, train=True)   # [local batch, sum of dims]
     """
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], setup: TableSetup, plan: Mapping[str, TableSharding],
-                 group: dist.ProcessGroup) -> None:
+                 process_group: dist.ProcessGroup) -> None:
         self.tables = list(tables)
         self.plan = dict(plan)
-        self.group = group
-        self.world = group.size()
-        self.rank = dist.get_rank(group)
-        self.owner = setup.owner
+        self.process_group = process_group
+        self.world = process_group.size()
+        self.rank = dist.get_rank(process_group)
+        self.module_name = setup.module_name
         self.is_weighted = setup.is_weighted
         self.feature_names = [f for t in tables for f in t.feature_names]
         self.dims = [t.embedding_dim for t in tables for _ in t.feature_names]
@@ -96,23 +102,28 @@ class ShardedTables:
         self.mean_columns = torch.tensor(
             [f for t in row_wise if t.pooling == PoolingType.MEAN for f in map(index.get, t.feature_names)],
             dtype=torch.int64)
-        self.ids_a2a = KJTAllToAll(group, [len(s) for s in self.send])
-        self.pooled_a2a = PooledEmbeddingsAllToAll(group, dim_sum_per_rank)
+        self.ids_a2a = KJTAllToAll(process_group, [len(s) for s in self.send])
+        self.pooled_a2a = PooledEmbeddingsAllToAll(process_group, dim_sum_per_rank)
         self.bytes_sent = 0  # by this rank to other ranks, all-to-alls of forward and backward
+
+    @property
+    def sharding_plan(self) -> dict[str, TableSharding]:
+        return self.plan
+
+    def comm_bytes(self) -> int:
+        return self.bytes_sent
 
     # -- one step --------------------------------------------------------------------------
 
     def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
-        features, local_in, strides = self._exchange_ids(features)
-        pooled_local = self.local.forward(local_in, train)
-        pooled = self.pooled_a2a(pooled_local, batch_size_per_rank=strides).wait()
-        self.bytes_sent += self._pooled_bytes(strides, pooled_local, train)
-        return self.assemble(pooled, features)
+        features, local_in, strides = self.input_dist(features)
+        pooled_local = self.compute(local_in, train)
+        return self.output_dist(pooled_local, strides, features, train)
 
-    def _exchange_ids(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor, list[int]]:
+    def input_dist(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor, list[int]]:
         """Ids to their owners: ``(features aligned, the ids this rank owns from all ranks'
         batches, each rank's batch size)``."""
-        features = align_features(features, self.feature_names, self.tables, self.owner)
+        features = align_features(features, self.feature_names, self.tables, self.module_name)
         sent = self.bucketize(features)
         arriving = self.ids_a2a(sent).wait()
         # Batch sizes may differ between ranks (an epoch's last batch), so take each rank's.
@@ -122,6 +133,18 @@ class ShardedTables:
                                      weights=received.weights_or_none(), stride=sum(strides))
         self.bytes_sent += self._id_bytes(sent)
         return features, local_in, strides
+
+    def compute(self, local_in: KeyedJaggedTensor, train: bool) -> torch.Tensor:
+        """This rank's shard pools the bags it received: ``[sum of batches, its dims]``."""
+        return self.local.forward(local_in, train)
+
+    def output_dist(self, pooled_local: torch.Tensor, strides: list[int], features: KeyedJaggedTensor,
+                    train: bool) -> torch.Tensor:
+        """Pooled rows back to the ranks whose batches they belong to, assembled into
+        ``[local batch, sum of dims]`` in config order."""
+        pooled = self.pooled_a2a(pooled_local, batch_size_per_rank=strides).wait()
+        self.bytes_sent += self._pooled_bytes(strides, pooled_local, train)
+        return self.assemble(pooled, features)
 
     def _id_bytes(self, sent: KeyedJaggedTensor) -> int:
         per_key = torch.tensor(sent.length_per_key())
@@ -147,7 +170,7 @@ class ShardedTables:
         """Collective: the ids of upcoming ``batch`` travel to their owners ahead of time,
         and each owner notes them and reads its missing rows from SSD in the background,
         so the batch's own lookup finds them in memory."""
-        _, local_in, _ = self._exchange_ids(features)
+        _, local_in, _ = self.input_dist(features)
         # The batch's forward exchanges its ids again and gets new tensors: no dedup to reuse.
         return self.local.register_upcoming(local_in, batch, reuse_dedup=False)
 
@@ -202,14 +225,14 @@ class ShardedTables:
 
     def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Collective: every rank passes the same ids and gets the owners' rows."""
-        return owners_rows(self.local, self.tables, table, self.owns(table, ids), ids, self.group)
+        return owners_rows(self.local, self.tables, table, self.owns(table, ids), ids, self.process_group)
 
     def tier_stats(self) -> dict[str, int]:
         return self.local.tier_stats()
 
-    def export(self) -> dict[str, dict[str, Any]]:
+    def export(self) -> dict[str, TableState]:
         """Collective: every rank gets the rows of all shards, per table."""
-        return gather_tables(self.local.export(), self.tables, self.world, self.group)
+        return gather_tables(self.local.export(), self.tables, self.process_group)
 
     def load(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         self.local.load(state, keep=self.owns)
@@ -217,26 +240,3 @@ class ShardedTables:
     def move_device_tier(self, device: torch.device) -> None:
         self.local.move_device_tier(device)
 
-
-def gather_tables(local: dict[str, dict[str, Any]], tables: Sequence[EmbeddingBagConfig], world: int,
-                  group: dist.ProcessGroup) -> dict[str, dict[str, Any]]:
-    """Collective: every rank's per-table export, joined per table."""
-    shards: list[Any] = [None] * world
-    dist.all_gather_object(shards, local, group=group)
-    out: dict[str, dict[str, Any]] = {}
-    for t in tables:
-        parts = [s[t.name] for s in shards if t.name in s]
-        out[t.name] = {"ids": torch.cat([p["ids"] for p in parts]), "rows": torch.cat([p["rows"] for p in parts]),
-                       "steps": max(p["steps"] for p in parts)}
-    return out
-
-
-def owners_rows(shard: LocalTables, tables: Sequence[EmbeddingBagConfig], table: str, mine: torch.Tensor,
-                ids: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Collective: each rank fills in the rows it owns (``mine``) and the sum reaches all."""
-    dim = next(t.embedding_dim for t in tables if t.name == table)
-    out = torch.zeros(len(ids), dim)
-    if mine.any():
-        out[mine] = shard.rows(table, ids[mine].numpy())
-    dist.all_reduce(out, group=group)
-    return out

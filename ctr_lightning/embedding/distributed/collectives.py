@@ -1,0 +1,68 @@
+"""Collectives the sharded engines share: rows to every rank, tables gathered, uneven all-to-alls."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from ctr_lightning.embedding.engine import TableState
+from ctr_lightning.embedding.local_tables import LocalTables
+
+
+def gather_tables(local: dict[str, TableState], tables: Sequence[EmbeddingBagConfig],
+                  process_group: dist.ProcessGroup) -> dict[str, TableState]:
+    """Collective: every rank's per-table export, joined per table."""
+    shards: list[Any] = [None] * process_group.size()
+    dist.all_gather_object(shards, local, group=process_group)
+    out: dict[str, TableState] = {}
+    for t in tables:
+        parts = [s[t.name] for s in shards if t.name in s]
+        out[t.name] = {"ids": torch.cat([p["ids"] for p in parts]), "rows": torch.cat([p["rows"] for p in parts]),
+                       "steps": max(p["steps"] for p in parts)}
+    return out
+
+
+def owners_rows(shard: LocalTables, tables: Sequence[EmbeddingBagConfig], table: str, mine: torch.Tensor,
+                ids: torch.Tensor, process_group: dist.ProcessGroup) -> torch.Tensor:
+    """Collective: each rank fills in the rows it owns (``mine``) and the sum reaches all."""
+    dim = next(t.embedding_dim for t in tables if t.name == table)
+    out = torch.zeros(len(ids), dim)
+    if mine.any():
+        out[mine] = shard.rows(table, ids[mine])
+    dist.all_reduce(out, group=process_group)
+    return out
+
+
+class UnevenAllToAll:
+    """``all_to_all_single`` with per-destination sizes, counting the bytes sent to others.
+
+    Example::
+
+        exchange = UnevenAllToAll(process_group)
+        received = exchange(keys, counts=[3, 5])   # what each rank sent here, by rank
+        exchange.bytes_sent
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup) -> None:
+        self.process_group = process_group
+        self.world = process_group.size()
+        self.rank = dist.get_rank(process_group)
+        self.bytes_sent = 0
+
+    def __call__(self, tensor: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+        """Send ``counts[r]`` rows of ``tensor`` (elements of a 1-D one) to rank r, in order;
+        returns what each rank sent here."""
+        send = torch.tensor(list(counts), dtype=torch.int64)
+        recv = torch.empty(self.world, dtype=torch.int64)
+        dist.all_to_all_single(recv, send, group=self.process_group)
+        out = torch.empty((int(recv.sum()), *tensor.shape[1:]), dtype=tensor.dtype)
+        dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv.tolist(),
+                               input_split_sizes=send.tolist(), group=self.process_group)
+        row_bytes = tensor.element_size() * (int(np.prod(tensor.shape[1:])) if tensor.dim() > 1 else 1)
+        self.bytes_sent += (int(send.sum()) - int(send[self.rank])) * row_bytes
+        return list(torch.split(out, recv.tolist()))

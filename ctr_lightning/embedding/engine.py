@@ -1,0 +1,88 @@
+"""What every engine behind a :class:`TieredEmbeddingBagCollection` does.
+
+The collection keeps torchrec's interface (KJT in, KeyedTensor out) and validates its
+arguments; an engine holds the rows and does the work. There are three:
+:class:`LocalTables` (one process holds every table), and, under torch.distributed,
+:class:`ShardedTables` (rows live on their owners; ids and pooled embeddings travel
+every step) and :class:`ReplicatedTables` (each rank trains local replicas, merged by
+the owners every k steps), both in :mod:`ctr_lightning.embedding.distributed`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ctr_lightning.embedding.sharding_plan import TableSharding
+
+TableState = dict[str, Any]  # per table: "ids" [n], "rows" [n, dim + optimizer state], "steps"
+
+
+class TableEngine(ABC):
+    """The rows of a collection's tables and the work on them.
+
+    Ids are always a 1-D int64 tensor; rows come back as float32 ``[len(ids), dim]``.
+    Methods marked collective must be called by every rank of the engine's process group,
+    in the same order.
+
+    Example::
+
+        engine = LocalTables(tables, setup)
+        pooled = engine.forward(kjt, train=True)     # [batch, sum of dims], config order
+        engine.rows("t0", torch.tensor([3, 7]))       # current weights, no side effects
+    """
+
+    @abstractmethod
+    def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
+        """Pooled embeddings ``[batch, sum of dims]`` in config feature order. With ``train``,
+        backward runs the sparse optimizer on the touched rows. Collective when distributed."""
+
+    @abstractmethod
+    def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Current weights of rows of ``table``; stores nothing. Collective when distributed:
+        every rank passes the same ids and gets the same rows."""
+
+    @abstractmethod
+    def export(self) -> dict[str, TableState]:
+        """Every stored row, per table name. Collective when distributed (every rank gets all)."""
+
+    @abstractmethod
+    def load(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        """Replace every stored row by :meth:`export`'s state (from any number of ranks)."""
+
+    @abstractmethod
+    def move_device_tier(self, device: torch.device) -> None:
+        """Follow ``module.to(device)``: the device tier moves, the host and SSD tiers stay."""
+
+    @abstractmethod
+    def tier_stats(self) -> dict[str, int]:
+        """Cumulative counters of this rank's tiers and read-ahead."""
+
+    def comm_bytes(self) -> int:
+        """Bytes this rank has sent to other ranks (0 in one process)."""
+        return 0
+
+    @property
+    def sharding_plan(self) -> dict[str, TableSharding] | None:
+        """Per table, how it is split over ranks; None in one process."""
+        return None
+
+    # -- working-set prefetch (driven by WorkingSetPrefetcher) -----------------------------
+
+    @abstractmethod
+    def register_upcoming(self, features: KeyedJaggedTensor, batch: int) -> list[Callable[[], None]]:
+        """Note the rows of upcoming ``batch`` and return the SSD reads that bring them in,
+        for a background thread. Collective when distributed. Raises NotImplementedError
+        where the engine cannot read ahead."""
+
+    @abstractmethod
+    def release_upcoming(self, batch: int) -> None:
+        """``batch`` has run: forget what was read ahead for it."""
+
+    @abstractmethod
+    def stop_prefetch(self) -> None:
+        """Back to fetching on demand only."""

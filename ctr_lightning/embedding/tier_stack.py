@@ -1,0 +1,271 @@
+"""Where the rows of a table group live (device tier, host tier, SSD) and how they move."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from ctr_lightning.embedding.initializer import initial_rows, initialize_slots, table_key
+from ctr_lightning.embedding.key_index import dedup
+from ctr_lightning.embedding.row_cache import RowCache, Rows
+from ctr_lightning.embedding.ssd import DirectSsdStore, SsdStore
+from ctr_lightning.embedding.table_setup import TableSetup, has_host_tier
+
+if TYPE_CHECKING:
+    from ctr_lightning.embedding.working_set import WorkingSet
+
+_RESERVE_BYTES = 4 << 30
+
+
+class TierStack:
+    """The tiers of a few tables that share a row layout: ``[weights | optimizer state]``.
+
+    The device tier is the one the compute reads; misses come from the host tier, then
+    the SSD tier (or rows read ahead from it), then the counter-based initializer. Evicted
+    dirty rows go one tier down; clean ones are dropped, since the tier below (or the
+    initializer) already has them.
+
+    Example::
+
+        tiers = TierStack("dim64", tables, setup)
+        slots = tiers.fetch(tables_of_misses, ids_of_misses, pinned=slots_of_hits)
+        tiers.full_rows(tables, ids)     # freshest copy of each row, read only
+    """
+
+    def __init__(self, name: str, tables: list[EmbeddingBagConfig], setup: TableSetup) -> None:
+        self.names = [t.name for t in tables]
+        self.dim = tables[0].embedding_dim
+        self.width = setup.row_width(self.dim)
+        self.seed = setup.seed
+        self.table_keys = np.array([table_key(t.name) for t in tables], dtype=np.int64)
+        self.num_embeddings = np.array([t.num_embeddings for t in tables], dtype=np.int64)
+        self.bounded = np.array([setup.id_space[t.name] == "bounded" for t in tables], dtype=bool)
+        self.bounds = np.array([math.sqrt(1.0 / t.num_embeddings) for t in tables])
+        storage = [setup.storage[t.name] for t in tables]
+        lfu = [s.eviction == "lfu" for s in storage]
+        device_caps, host_caps = setup.capacities(tables)
+        # Unbounded tiers reserve address space for every row the configs expect (never more
+        # than _RESERVE_BYTES); untouched pages of the reservation cost no memory.
+        reserve = int(min(self.num_embeddings.sum(), _RESERVE_BYTES // (self.width * 4)))
+        self.device_tier = RowCache(self.width, device_caps, lfu, setup.device, reserve_rows=reserve)
+        self.host_tier = (RowCache(self.width, host_caps, lfu, "cpu", reserve_rows=reserve)
+                          if has_host_tier(device_caps, host_caps) else None)
+        ssd_dir = storage[0].ssd_dir
+        self.ssd: SsdStore | DirectSsdStore | None = None
+        if ssd_dir is not None and self.bounded.all():
+            self.ssd = DirectSsdStore(ssd_dir, name, self.width, self.names, list(self.num_embeddings))
+        elif ssd_dir is not None:
+            self.ssd = SsdStore(ssd_dir, name, self.width, self.names)
+        self.stats = {"device_hits": 0, "host_hits": 0, "ssd_hits": 0, "new_rows": 0, "ssd_stall_us": 0}
+        self._pinned: list[np.ndarray] = []  # device slots of training batches whose backward is to come
+
+    def check_ids(self, tables: np.ndarray, ids: np.ndarray) -> None:
+        """An error naming the table and id of the first id its table cannot hold."""
+        if not self.bounded.any() and (not len(ids) or ids.min() >= 0):
+            return  # the common case, hashed ids: only the sign to check
+        bad = ids < 0
+        bad |= self.bounded[tables] & (ids >= self.num_embeddings[tables])
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            t = int(tables[i])
+            why = "negative" if ids[i] < 0 else f"outside [0, {int(self.num_embeddings[t])})"
+            raise ValueError(f"table {self.names[t]!r}: id {int(ids[i])} is {why}")
+
+    def move_device_tier(self, device: torch.device) -> None:
+        self.device_tier.to(device)
+
+    def pin(self, slots: np.ndarray) -> None:
+        """Keep these device rows in place until :meth:`unpin`: their update is to come."""
+        self._pinned.append(slots)
+
+    def unpin(self, slots: np.ndarray) -> None:
+        self._pinned = [p for p in self._pinned if p is not slots]
+
+    # -- misses ----------------------------------------------------------------------------
+
+    def fetch(self, tables: np.ndarray, ids: np.ndarray, pinned: np.ndarray,
+              working_set: WorkingSet | None = None) -> np.ndarray:
+        """Bring rows absent from the device tier into it; returns their slots.
+
+        Room is made by evicting rows that are neither ``pinned`` nor pinned by
+        :meth:`pin` (and, with an active ``working_set``, rows an upcoming batch needs
+        only as a last resort); rows read ahead are taken from it.
+        """
+        reading_ahead = working_set is not None and working_set.current_batch is not None
+        rows = torch.empty(len(ids), self.width)
+        filled = np.zeros(len(ids), dtype=bool)
+        if self.host_tier is not None:
+            hslots = self.host_tier.lookup(tables, ids)
+            hit = hslots >= 0
+            if hit.any():
+                rows[torch.from_numpy(np.flatnonzero(hit))] = self.host_tier.values[torch.from_numpy(hslots[hit])]
+                filled |= hit
+                self.stats["host_hits"] += int(hit.sum())
+        if self.ssd is not None and not filled.all():
+            rest = np.flatnonzero(~filled)
+            if reading_ahead:
+                found, data = working_set.take(tables[rest], ids[rest], self.ssd)
+                if found.any():
+                    rows[torch.from_numpy(rest[found])] = data
+                    filled[rest[found]] = True
+                    rest = rest[~found]
+            start = time.perf_counter()
+            found, data, _ = self.ssd.read(tables[rest], ids[rest])
+            self.stats["ssd_stall_us"] += int((time.perf_counter() - start) * 1e6)
+            if found.any():
+                rows[torch.from_numpy(rest[found])] = torch.from_numpy(data)
+                filled[rest[found]] = True
+                self.stats["ssd_hits"] += int(found.sum())
+        need = self.device_tier.room_needed(tables)
+        pinned = np.concatenate([pinned, *self._pinned]) if self._pinned else pinned
+        victim_slots, victims = self.device_tier.choose_victims(
+            need, pinned, self.names, needed_after=working_set.current_batch if reading_ahead else None)
+        self._demote(victims.select(victims.dirty))
+        self.device_tier.release(victim_slots)
+        clean = np.zeros(len(ids), dtype=bool)
+        if filled.all():
+            slots = self.device_tier.insert(Rows(tables, ids, rows, clean))
+        else:
+            slots = np.empty(len(ids), dtype=np.int64)
+            old, new = np.flatnonzero(filled), np.flatnonzero(~filled)
+            if len(old):
+                slots[old] = self.device_tier.insert(Rows(tables[old], ids[old], rows[torch.from_numpy(old)], clean[old]))
+            # Rows never stored anywhere start from the initializer, written in place.
+            slots[new] = self.device_tier.place(tables[new], ids[new], clean[new], absent=True)
+            self._initialize(slots[new], tables[new], ids[new])
+            self.stats["new_rows"] += len(new)
+        if reading_ahead:
+            self.device_tier.needed_until[slots] = working_set.needed_until(tables, ids)
+        return slots
+
+    def _initial(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        return initial_rows(self.seed, self.table_keys[tables], ids, self.dim, self.bounds[tables])
+
+    def _initialize(self, slots: np.ndarray, tables: np.ndarray, ids: np.ndarray) -> None:
+        """Device-tier rows at ``slots`` := initial weights and zero optimizer state."""
+        values = self.device_tier.values
+        if values.device.type == "cpu":
+            initialize_slots(self.seed, self.table_keys[tables], ids, self.dim, self.bounds[tables], values.numpy(),
+                             slots)
+            return
+        rows = torch.zeros(len(ids), self.width)
+        rows[:, : self.dim] = torch.from_numpy(self._initial(tables, ids))
+        values[torch.from_numpy(slots).to(values.device)] = rows.to(values.device)
+
+    def _demote(self, rows: Rows) -> None:
+        """Write dirty rows leaving the device tier into the host tier (or the SSD)."""
+        if not len(rows):
+            return
+        if self.host_tier is None:
+            self._write_ssd(rows)
+            return
+        need = self.host_tier.room_needed(rows.tables)
+        victim_slots, victims = self.host_tier.choose_victims(need, np.empty(0, dtype=np.int64), self.names)
+        self._write_ssd(victims.select(victims.dirty))
+        self.host_tier.release(victim_slots)
+        self.host_tier.insert(Rows(rows.tables, rows.ids, rows.values.cpu(), np.ones(len(rows), dtype=bool)))
+
+    def _write_ssd(self, rows: Rows) -> None:
+        if not len(rows):
+            return
+        if self.ssd is None:
+            raise RuntimeError(f"tables {self.names}: rows must leave memory but no SSD tier is configured")
+        self.ssd.write(rows.tables, rows.ids, rows.values.cpu().numpy())
+
+    # -- rows held in memory only, for replicas -------------------------------------------
+
+    def absent(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Which of these rows the device tier lacks."""
+        return self.device_tier.lookup(tables, ids) < 0
+
+    def hold(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
+        """Put rows into the device tier as clean copies (a replica of rows owned elsewhere)."""
+        self.device_tier.insert(Rows(tables, ids, rows, np.zeros(len(ids), dtype=bool)))
+
+    def changed(self) -> Rows:
+        """The device tier's rows written since they arrived."""
+        entries = self.device_tier.entries()
+        return entries.select(entries.dirty)
+
+    def forget(self) -> None:
+        """Drop every row of the device tier (a replica between intervals)."""
+        self.device_tier.clear()
+
+    # -- reads without side effects, writes, checkpoints ------------------------------------
+
+    def full_rows(self, tables: np.ndarray, ids: np.ndarray) -> torch.Tensor:
+        """``[weights | optimizer state]`` of rows, freshest tier first; reads only."""
+        self.check_ids(tables, ids)
+        out = torch.zeros(len(ids), self.width)
+        out[:, : self.dim] = torch.from_numpy(self._initial(tables, ids))
+        todo = np.ones(len(ids), dtype=bool)
+        for tier in (self.device_tier, self.host_tier):
+            if tier is None:
+                continue
+            slots = tier.lookup(tables, ids)
+            hit = todo & (slots >= 0)
+            if hit.any():
+                out[torch.from_numpy(np.flatnonzero(hit))] = (
+                    tier.values[torch.from_numpy(slots[hit]).to(tier.device)].cpu())
+                todo &= ~hit
+        if self.ssd is not None and todo.any():
+            rest = np.flatnonzero(todo)
+            found, data, _ = self.ssd.read(tables[rest], ids[rest])
+            out[torch.from_numpy(rest[found])] = torch.from_numpy(data)
+        return out
+
+    def put_rows(self, tables: np.ndarray, ids: np.ndarray, values: torch.Tensor) -> None:
+        """Overwrite rows (unique pairs) with ``[weights | optimizer state]`` values."""
+        caps = self.device_tier.capacity[self.device_tier.capacity > 0]
+        chunk = max(1, int(caps.min()) // 2) if len(caps) else max(1, len(ids))
+        for start in range(0, len(ids), chunk):
+            t, i = tables[start : start + chunk], ids[start : start + chunk]
+            slots = self.device_tier.lookup(t, i)
+            miss = slots < 0
+            if miss.any():
+                slots[miss] = self.fetch(t[miss], i[miss], pinned=slots[~miss])
+            index = torch.from_numpy(slots).to(self.device_tier.device)
+            self.device_tier.values[index] = values[start : start + chunk].to(self.device_tier.device)
+            self.device_tier.dirty[slots] = True
+
+    def export(self) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
+        """``(tables, ids, rows)`` of every stored row, freshest copy first: device (dirty)
+        over host over SSD."""
+        parts: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
+        device_rows = self.device_tier.entries()
+        if self.host_tier is None and self.ssd is None:
+            parts.append((device_rows.tables, device_rows.ids, device_rows.values.cpu()))
+        else:
+            dirty = device_rows.select(device_rows.dirty)
+            parts.append((dirty.tables, dirty.ids, dirty.values.cpu()))
+        if self.host_tier is not None:
+            host = self.host_tier.entries()
+            parts.append((host.tables, host.ids, host.values))
+        if self.ssd is not None:
+            tables, ids, data = self.ssd.entries()
+            parts.append((tables, ids, torch.from_numpy(data)))
+        tables = np.concatenate([p[0] for p in parts])
+        ids = np.concatenate([p[1] for p in parts])
+        first, _ = dedup(tables, ids)  # first occurrence = freshest tier
+        values = torch.cat([p[2] for p in parts])[torch.from_numpy(first)]
+        return tables[first], ids[first], values
+
+    def load(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
+        """Replace every stored row by ``rows`` of (``tables``, ``ids``)."""
+        self.device_tier.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
+        if self.ssd is not None:
+            self.ssd.clear()
+        loaded = Rows(tables, ids, rows, np.ones(len(ids), dtype=bool))
+        if self.ssd is not None:
+            self._write_ssd(loaded)
+        elif self.host_tier is not None:
+            self.host_tier.insert(loaded)
+        else:
+            self.device_tier.insert(loaded)
