@@ -10,6 +10,7 @@ from argparse import RawDescriptionHelpFormatter
 from typing import Any
 
 from jsonargparse import DefaultHelpFormatter
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -17,6 +18,7 @@ from ctr_lightning.datamodules import (
     AvazuDataModule,
     CriteoDataModule,
     LogDataModule,
+    ParquetDataModule,
     SyntheticCriteoDataModule,
 )
 from ctr_lightning.models import DLRMModule
@@ -85,10 +87,23 @@ def continue_last_run(config: Any) -> None:
 def _datamodule_help() -> str:
     lines = ["DataModules (pick with --data CLASS or a config's data.class_path, then set --data.ARG VALUE;"
              " --data.help CLASS shows types and defaults):"]
-    for cls in (CriteoDataModule, SyntheticCriteoDataModule, AvazuDataModule):
-        args = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
-        lines.append(f"  {cls.__name__}: " + ", ".join(f"--data.{a}" for a in args))
+    for cls in (CriteoDataModule, SyntheticCriteoDataModule, AvazuDataModule, ParquetDataModule):
+        lines.append(f"  {cls.__name__}: " + ", ".join(f"--data.{a}" for a in _init_arguments(cls)))
     return "\n".join(lines)
+
+
+def _init_arguments(cls: type) -> list[str]:
+    """The arguments a class takes, those its ``**kwargs`` pass on to its bases included
+    (the format, which each DataModule builds itself, excluded)."""
+    names: list[str] = []
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass) or klass is LightningDataModule:
+            continue
+        parameters = inspect.signature(klass.__init__).parameters.values()
+        names += [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD or p.kind is p.KEYWORD_ONLY]
+        if not any(p.kind is p.VAR_KEYWORD for p in parameters):
+            break
+    return [n for n in dict.fromkeys(names) if n not in ("self", "log_format")]
 
 
 def main(args: list[str] | None = None) -> None:

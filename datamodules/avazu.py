@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numba
 import numpy as np
@@ -13,7 +14,7 @@ from ctr_lightning.datamodules import field_decoders as fd
 from ctr_lightning.datamodules.bad_lines import BadLineError
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
 from ctr_lightning.datamodules.sources import FileSlice, read_csv_blocks
-from ctr_lightning.datamodules.stream import DecodedRows
+from ctr_lightning.datamodules.log_format import DecodedRows
 
 AVAZU_COLUMNS = (
     "id", "click", "hour", "C1", "banner_pos", "site_id", "site_domain", "site_category", "app_id",
@@ -115,11 +116,12 @@ class AvazuFormat:
 class AvazuDataModule(LogDataModule):
     """Streams Avazu CTR logs (CSV with header; ``.gz`` too; local or fsspec URLs).
 
-    Arguments as :class:`LogDataModule`.
+    Arguments as :class:`LogDataModule`, plus ``block_size``: bytes parsed at a time.
 
     Example::
 
         dm = AvazuDataModule(train_paths=["avazu/train.csv"], batch_size=4096, num_workers=2)
     """
 
-    format_class = AvazuFormat
+    def __init__(self, block_size: int = 1 << 19, **kwargs: Any) -> None:
+        super().__init__(AvazuFormat(block_size=block_size), **kwargs)

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ctr_lightning.datamodules.criteo_parser import NUM_FIELDS, ParsedBlock, parse_block, warm_up
+from ctr_lightning.datamodules.criteo_parser import ParsedBlock, parse_block, warm_up
+from ctr_lightning.datamodules.criteo_schema import DENSE_NAMES, NUM_FIELDS, SPARSE_NAMES
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
 from ctr_lightning.datamodules.sources import FileSlice, line_blocks
-from ctr_lightning.datamodules.stream import DecodedRows
-from ctr_lightning.datamodules.synthetic_criteo import DENSE_NAMES, SPARSE_NAMES
+from ctr_lightning.datamodules.log_format import DecodedRows
 
 
 class CriteoFormat:
@@ -80,6 +80,7 @@ class CriteoDataModule(LogDataModule):
     Arguments as :class:`LogDataModule`, plus:
 
     Args:
+        block_size: bytes parsed at a time.
         negative_counts: ``"clamp"`` (default) reads a negative count as 0, as the DLRM
             reference preprocessing does: Criteo's I2 holds small negative values in about
             one line of ten, so treating them as bad would drop real data. ``"bad"`` makes
@@ -92,25 +93,5 @@ class CriteoDataModule(LogDataModule):
         batch = next(iter(dm.train_dataloader()))   # ctr_lightning.Batch
     """
 
-    format_class = CriteoFormat
-
-    def __init__(
-        self,
-        train_paths: list[str] | str | None = None,
-        val_paths: list[str] | str | None = None,
-        test_paths: list[str] | str | None = None,
-        predict_paths: list[str] | str | None = None,
-        batch_size: int = 4096,
-        num_workers: int = 0,
-        bad_lines: str = "skip",
-        block_size: int = 1 << 19,
-        online: bool = False,
-        negative_counts: str = "clamp",
-    ) -> None:
-        self._negative_counts = negative_counts
-        super().__init__(train_paths=train_paths, val_paths=val_paths, test_paths=test_paths,
-                         predict_paths=predict_paths, batch_size=batch_size, num_workers=num_workers,
-                         bad_lines=bad_lines, block_size=block_size, online=online)
-
-    def make_format(self, block_size: int) -> CriteoFormat:
-        return CriteoFormat(block_size=block_size, negative_counts=self._negative_counts)
+    def __init__(self, block_size: int = 1 << 19, negative_counts: str = "clamp", **kwargs: Any) -> None:
+        super().__init__(CriteoFormat(block_size=block_size, negative_counts=negative_counts), **kwargs)

@@ -14,11 +14,10 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from ctr_lightning.datamodules.criteo_schema import NUM_DENSE, NUM_FIELDS, NUM_SPARSE
 from ctr_lightning.datamodules.field_decoders import _MASK63, MISSING_VALUE, count_value, hex8
 from ctr_lightning.hashing import feature_salt, splitmix64_one
 
-NUM_DENSE, NUM_SPARSE = 13, 26
-NUM_FIELDS = 1 + NUM_DENSE + NUM_SPARSE
 # The shortest line of the right width is its 39 tabs and a newline.
 _MIN_LINE = NUM_FIELDS
 _WIDTH_CAP = 1024  # wrong-width lines noted per call; a block with more takes more calls

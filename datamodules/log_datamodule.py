@@ -10,7 +10,9 @@ import torch
 
 from ctr_lightning.datamodules.bad_lines import BadLinePolicy
 from ctr_lightning.datamodules.sources import expand_paths
-from ctr_lightning.datamodules.stream import BatchDataLoader, LogFormat, LogStreamDataset
+from ctr_lightning.datamodules.batch_loader import BatchDataLoader
+from ctr_lightning.datamodules.log_format import LogFormat
+from ctr_lightning.datamodules.stream_dataset import LogStreamDataset
 
 _STAGES = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 
@@ -18,9 +20,10 @@ _STAGES = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "pr
 class LogDataModule(pl.LightningDataModule):
     """Train/val/test/predict streams of one log format, split by file.
 
-    Subclasses set :attr:`format_class` (or override :meth:`make_format`).
+    A subclass builds its :class:`LogFormat` from its own arguments and passes it in.
 
     Args:
+        log_format: how the files are read and decoded.
         train_paths: files, directories or globs for training, read in name order.
         val_paths: held-out files (train and validation are split by file).
         test_paths: files for ``trainer.test``.
@@ -28,7 +31,6 @@ class LogDataModule(pl.LightningDataModule):
         batch_size: examples per batch.
         num_workers: DataLoader worker processes per rank.
         bad_lines: ``"skip"`` (count and log) or ``"raise"`` (stop with file:line).
-        block_size: bytes parsed at a time.
         online: time-ordered training: ``train_paths`` are successive time slices (one
             file or glob match per day, in name order); epoch k trains on slice k and
             validates on slice k + 1 (progressive validation). Needs
@@ -37,13 +39,14 @@ class LogDataModule(pl.LightningDataModule):
     Example::
 
         class MyLogs(LogDataModule):
-            format_class = MyFormat
+            def __init__(self, train_paths=None, val_paths=None, batch_size: int = 4096, my_option: int = 3):
+                super().__init__(MyFormat(my_option), train_paths=train_paths, val_paths=val_paths,
+                                 batch_size=batch_size)
     """
-
-    format_class: type[LogFormat]
 
     def __init__(
         self,
+        log_format: LogFormat,
         train_paths: Sequence[str] | str | None = None,
         val_paths: Sequence[str] | str | None = None,
         test_paths: Sequence[str] | str | None = None,
@@ -51,7 +54,6 @@ class LogDataModule(pl.LightningDataModule):
         batch_size: int = 4096,
         num_workers: int = 0,
         bad_lines: BadLinePolicy = "skip",
-        block_size: int = 1 << 19,
         online: bool = False,
     ) -> None:
         super().__init__()
@@ -63,8 +65,10 @@ class LogDataModule(pl.LightningDataModule):
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if bad_lines not in ("skip", "raise"):
             raise ValueError(f"bad_lines must be 'skip' or 'raise', got {bad_lines!r}")
-        self.save_hyperparameters()
-        self.format = self.make_format(block_size)
+        # The subclass's own arguments describe the format; an object in the hyper-parameters
+        # would not load with torch.load(weights_only=True).
+        self.save_hyperparameters(ignore=["log_format"])
+        self.format = log_format
         self.paths = {"train": train_paths, "val": val_paths, "test": test_paths, "predict": predict_paths}
         self.batch_size = batch_size
         self.num_workers = num_workers
@@ -75,10 +79,6 @@ class LogDataModule(pl.LightningDataModule):
         self._train_loader: BatchDataLoader | None = None
         self._sync_group: Any = None  # set up in a distributed fit, to keep ranks' batch counts equal
         self._resume: dict[str, Any] | None = None  # a checkpoint's position, until used
-
-    def make_format(self, block_size: int) -> LogFormat:
-        """The reader of this DataModule's log layout."""
-        return self.format_class(block_size=block_size)
 
     @property
     def sparse_feature_names(self) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import fsspec
 import numpy as np
@@ -16,7 +17,7 @@ from ctr_lightning.datamodules import field_decoders as fd
 from ctr_lightning.datamodules.bad_lines import BadLineError
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
 from ctr_lightning.datamodules.sources import FileSlice
-from ctr_lightning.datamodules.stream import DecodedRows, JaggedIds
+from ctr_lightning.datamodules.log_format import DecodedRows, JaggedIds
 
 # Integer categoricals that are null get this value, outside what a hashed id source uses.
 _NULL_INT = np.iinfo(np.int64).min
@@ -67,7 +68,6 @@ class ParquetFormat:
         dense_columns: Sequence[str] = (),
         categorical_columns: Sequence[str] = (),
         multi_hot_columns: Sequence[str] = (),
-        block_size: int = 1 << 19,
     ) -> None:
         if not categorical_columns and not multi_hot_columns:
             raise ValueError("ParquetFormat needs at least one categorical or multi-hot column")
@@ -147,24 +147,11 @@ class ParquetDataModule(LogDataModule):
 
     def __init__(
         self,
-        train_paths: list[str] | str | None = None,
-        val_paths: list[str] | str | None = None,
-        test_paths: list[str] | str | None = None,
-        predict_paths: list[str] | str | None = None,
         label_column: str = "label",
         dense_columns: list[str] | None = None,
         categorical_columns: list[str] | None = None,
         multi_hot_columns: list[str] | None = None,
-        batch_size: int = 4096,
-        num_workers: int = 0,
-        bad_lines: str = "skip",
-        online: bool = False,
+        **kwargs: Any,
     ) -> None:
-        self._schema = (label_column, dense_columns or [], categorical_columns or [], multi_hot_columns or [])
-        super().__init__(train_paths=train_paths, val_paths=val_paths, test_paths=test_paths,
-                         predict_paths=predict_paths, batch_size=batch_size, num_workers=num_workers,
-                         bad_lines=bad_lines, online=online)
-
-    def make_format(self, block_size: int) -> ParquetFormat:
-        label, dense, categorical, multi_hot = self._schema
-        return ParquetFormat(label, dense, categorical, multi_hot, block_size=block_size)
+        log_format = ParquetFormat(label_column, dense_columns or [], categorical_columns or [], multi_hot_columns or [])
+        super().__init__(log_format, **kwargs)

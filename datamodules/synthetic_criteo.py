@@ -22,6 +22,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from ctr_lightning.checkpoint_safe import checkpoint_safe
+from ctr_lightning.datamodules.criteo_schema import DENSE_NAMES, NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
 from ctr_lightning.hashing import mix32, splitmix64, unit_variance, uniform01
 
 # Distinct values per feature in the Criteo Kaggle (Display Advertising Challenge) train set.
@@ -41,10 +42,6 @@ _MISSING_TOGETHER = (18, 19, 24, 25)
 _DENSE_MEDIAN = (1, 3, 6, 4, 2800, 31, 3, 7, 38, 1, 1, 0, 4)
 _DENSE_P90 = (10, 180, 43, 18, 31600, 256, 35, 34, 257, 1, 6, 1, 20)
 
-NUM_DENSE = 13
-NUM_SPARSE = 26
-DENSE_NAMES = tuple(f"I{i}" for i in range(1, NUM_DENSE + 1))
-SPARSE_NAMES = tuple(f"C{i}" for i in range(1, NUM_SPARSE + 1))
 
 _CHUNK_ROWS = 1 << 16
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)

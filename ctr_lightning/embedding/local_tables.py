@@ -128,9 +128,9 @@ class LocalTables(TableEngine):
                 total[k] = total.get(k, 0) + v
         return total
 
-    def export(self) -> dict[str, dict[str, Any]]:
+    def export(self) -> dict[str, TableState]:
         """Per table name: ``ids``, ``rows`` (``[n, dim + optimizer state]``) and ``steps``."""
-        out: dict[str, dict[str, Any]] = {}
+        out: dict[str, TableState] = {}
         for group in self.groups:
             state = group.export()
             table = state["table"].numpy()

@@ -14,10 +14,10 @@ from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from ctr_lightning.batch import Batch
+from ctr_lightning.datamodules.criteo_schema import NUM_DENSE, SPARSE_NAMES
 from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
 from ctr_lightning.metrics import LogLoss, NormalizedEntropy
 
-CRITEO_SPARSE_FEATURES = tuple(f"C{i}" for i in range(1, 27))
 
 
 class DLRMModule(pl.LightningModule):
@@ -54,8 +54,8 @@ class DLRMModule(pl.LightningModule):
 
     def __init__(
         self,
-        sparse_feature_names: Sequence[str] = CRITEO_SPARSE_FEATURES,
-        num_dense_features: int = 13,
+        sparse_feature_names: Sequence[str] = SPARSE_NAMES,
+        num_dense_features: int = NUM_DENSE,
         embedding_dim: int = 16,
         num_embeddings: int = 100_000,
         dense_arch_layer_sizes: Sequence[int] = (64,),

@@ -7,7 +7,8 @@ import pytest
 
 from ctr_lightning.datamodules.criteo import CriteoFormat
 from ctr_lightning.datamodules.sources import FileSlice, line_blocks
-from ctr_lightning.datamodules.stream import BatchDataLoader, LogStreamDataset
+from ctr_lightning.datamodules.batch_loader import BatchDataLoader
+from ctr_lightning.datamodules.stream_dataset import LogStreamDataset
 
 from .test_criteo import reference_rows
 from .test_sharding_and_bad_lines import reference_tuples, rows_of

@@ -4,7 +4,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ctr_lightning.datamodules import BadLineError, ParquetDataModule, ParquetFormat
-from ctr_lightning.datamodules.stream import BatchDataLoader, LogStreamDataset
+from ctr_lightning.datamodules.batch_loader import BatchDataLoader
+from ctr_lightning.datamodules.stream_dataset import LogStreamDataset
 
 from .test_avazu import fnv_id, small_id
 

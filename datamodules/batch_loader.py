@@ -1,0 +1,92 @@
+"""The DataLoader that turns the workers' messages into Batches and keeps ranks in step."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from ctr_lightning.batch import Batch
+from ctr_lightning.datamodules.stream_dataset import LogStreamDataset
+from ctr_lightning.datamodules.wire import RawBatch, _Ones
+
+log = logging.getLogger(__name__)
+
+
+class BatchDataLoader(DataLoader):
+    """A DataLoader over a :class:`LogStreamDataset` that yields :class:`~ctr_lightning.Batch` es.
+
+    With ``sync_group`` (a gloo process group over all ranks), every rank yields the same
+    number of batches: before each batch the ranks agree that all of them still have one,
+    and the first to run out ends the pass for everyone, so the last collective of an
+    epoch never waits for a rank that has finished. The batches the other ranks hold back
+    then are counted and logged, never dropped silently.
+
+    Example::
+
+        loader = BatchDataLoader(LogStreamDataset(["day_0.tsv"], CriteoFormat(), batch_size=4096),
+                                 num_workers=2)
+        for batch in loader: ...
+    """
+
+    def __init__(self, dataset: LogStreamDataset, sync_group: Any = None, **kwargs: Any) -> None:
+        kwargs["batch_size"] = None  # the dataset yields whole batches, built in the workers
+        super().__init__(dataset, **kwargs)
+        self.sync_group = sync_group
+        self.shard_log: list[int] = []  # the shard of every batch handed out, in order
+        self.held_back = (0, 0)  # (batches, examples) of the last pass not handed out to keep ranks even
+        self.bad_line_counts: Counter[str] = Counter()  # lines skipped this pass, per file, all workers
+        self._ones = _Ones()
+
+    def _batches(self) -> Iterator[tuple[int, Batch]]:
+        keys = list(self.dataset.format.sparse_feature_names)
+        warm_up = getattr(self.dataset.format, "warm_up", None)
+        if warm_up is not None and self.num_workers > 0:
+            warm_up()
+        for raw in super().__iter__():
+            raw = RawBatch(*raw)
+            self.bad_line_counts.update(dict(raw.bad_lines))
+            for batch in raw.to_batches(keys, self._ones):
+                yield raw.shard, batch
+
+    def __iter__(self) -> Iterator[Batch]:  # type: ignore[override]
+        self.shard_log = []
+        self.held_back = (0, 0)
+        self.bad_line_counts = Counter()
+        batches = self._batches()
+        while True:
+            item = next(batches, None)
+            if self.sync_group is not None and not _all_ranks_have(item is not None, self.sync_group):
+                if item is not None:
+                    self._hold_back(item, batches)
+                return
+            if item is None:
+                return
+            self.shard_log.append(item[0])
+            yield item[1]
+
+    def _hold_back(self, item: tuple[int, Batch], rest: Iterator[tuple[int, Batch]]) -> None:
+        count, examples = 1, len(item[1])
+        for _, batch in rest:
+            count, examples = count + 1, examples + len(batch)
+        self.held_back = (count, examples)
+        log.warning(
+            "rank %d: another rank ran out of data first; %d batches (%d examples) of this epoch were not "
+            "used, to keep every rank at the same step count", self.dataset.rank, count, examples)
+
+    def position(self, batches: int) -> dict[int, int]:
+        """Batches per shard among the first ``batches`` handed out this pass."""
+        counts: dict[int, int] = {}
+        for shard in self.shard_log[:batches]:
+            counts[shard] = counts.get(shard, 0) + 1
+        return counts
+
+
+def _all_ranks_have(have: bool, group: Any) -> bool:
+    flag = torch.tensor([1 if have else 0], dtype=torch.int32)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    return bool(flag.item())
