@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 class BatchDataLoader(DataLoader):
     """A DataLoader over a :class:`LogStreamDataset` that yields :class:`~ctr_lightning.Batch` es.
 
-    With ``sync_group`` (a gloo process group over all ranks), every rank yields the same
+    With ``process_group`` (a gloo process group over all ranks), every rank yields the same
     number of batches: before each batch the ranks agree that all of them still have one,
     and the first to run out ends the pass for everyone, so the last collective of an
     epoch never waits for a rank that has finished. The batches the other ranks hold back
@@ -33,10 +33,10 @@ class BatchDataLoader(DataLoader):
         for batch in loader: ...
     """
 
-    def __init__(self, dataset: LogStreamDataset, sync_group: Any = None, **kwargs: Any) -> None:
+    def __init__(self, dataset: LogStreamDataset, process_group: Any = None, **kwargs: Any) -> None:
         kwargs["batch_size"] = None  # the dataset yields whole batches, built in the workers
         super().__init__(dataset, **kwargs)
-        self.sync_group = sync_group
+        self.process_group = process_group
         self.shard_log: list[int] = []  # the shard of every batch handed out, in order
         self.held_back = (0, 0)  # (batches, examples) of the last pass not handed out to keep ranks even
         self.bad_line_counts: Counter[str] = Counter()  # lines skipped this pass, per file, all workers
@@ -60,7 +60,7 @@ class BatchDataLoader(DataLoader):
         batches = self._batches()
         while True:
             item = next(batches, None)
-            if self.sync_group is not None and not _all_ranks_have(item is not None, self.sync_group):
+            if self.process_group is not None and not _all_ranks_have(item is not None, self.process_group):
                 if item is not None:
                     self._hold_back(item, batches)
                 return
@@ -86,7 +86,7 @@ class BatchDataLoader(DataLoader):
         return counts
 
 
-def _all_ranks_have(have: bool, group: Any) -> bool:
+def _all_ranks_have(have: bool, process_group: Any) -> bool:
     flag = torch.tensor([1 if have else 0], dtype=torch.int32)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=process_group)
     return bool(flag.item())

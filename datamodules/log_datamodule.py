@@ -77,7 +77,7 @@ class LogDataModule(pl.LightningDataModule):
         self.files: dict[str, list[str]] = {}
         self.epoch_files: dict[str, list[str]] = {}  # what each split's latest loader reads
         self._train_loader: BatchDataLoader | None = None
-        self._sync_group: Any = None  # set up in a distributed fit, to keep ranks' batch counts equal
+        self._sync_process_group: Any = None  # set up in a distributed fit, to keep ranks' batch counts equal
         self._resume: dict[str, Any] | None = None  # a checkpoint's position, until used
 
     @property
@@ -99,10 +99,10 @@ class LogDataModule(pl.LightningDataModule):
         if self.online and stage == "fit":
             self.setup_online()
         trainer = self.trainer
-        if (self._sync_group is None and trainer is not None and trainer.world_size > 1
+        if (self._sync_process_group is None and trainer is not None and trainer.world_size > 1
                 and torch.distributed.is_available() and torch.distributed.is_initialized()):
             # A CPU (gloo) group of its own: the default group may be NCCL.
-            self._sync_group = torch.distributed.new_group(backend="gloo")
+            self._sync_process_group = torch.distributed.new_group(backend="gloo")
 
     def setup_online(self) -> None:
         """Check that the Trainer reloads loaders every epoch and that enough slices exist."""
@@ -138,7 +138,7 @@ class LogDataModule(pl.LightningDataModule):
         )
         # Every split takes equal steps on all ranks: a sharded embedding collection runs
         # collectives in evaluation too, so a rank that stopped early would hang the rest.
-        loader = BatchDataLoader(dataset, sync_group=self._sync_group, num_workers=self.num_workers)
+        loader = BatchDataLoader(dataset, process_group=self._sync_process_group, num_workers=self.num_workers)
         if split == "train":
             self._train_loader = loader
         return loader

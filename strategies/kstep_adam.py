@@ -146,12 +146,12 @@ class KStepAdamStrategy(DDPStrategy):
         if local is None and "LOCAL_WORLD_SIZE" not in os.environ:
             local = self.num_processes  # Lightning's devices per node
         self.layout = NodeLayout.of(self.world_size, self.global_rank, local)
-        intra, cross = self.layout.groups() if self.world_size > 1 else (None, None)
+        intra, cross = self.layout.process_groups() if self.world_size > 1 else (None, None)
         self.average = HierarchicalAverage(self.layout, intra, cross, self.bucket_bytes)
         self.checkpoint_merge = CheckpointMerge(self.average, self.moment_dtype)
         if self.overlap and self.world_size > 1 and self.k > 1:
             # Groups of its own: its collectives run in another thread, beside the per-step ones.
-            self.overlapped = OverlappedMerge(HierarchicalAverage(self.layout, *self.layout.groups(),
+            self.overlapped = OverlappedMerge(HierarchicalAverage(self.layout, *self.layout.process_groups(),
                                                                   self.bucket_bytes))
 
     @override

@@ -48,7 +48,7 @@ class NodeLayout:
                              f"into whole nodes")
         return NodeLayout(world_size, rank, local_world_size)
 
-    def groups(self, backend: str | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    def process_groups(self, backend: str | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         """``(this node's group, the group of the ranks with this local rank on every node)``.
 
         Collective over all ranks: each creates every group, in the same order.

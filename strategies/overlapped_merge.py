@@ -35,7 +35,7 @@ class OverlappedMerge:
 
     Example::
 
-        merge = OverlappedMerge(HierarchicalAverage(layout, *layout.groups()))
+        merge = OverlappedMerge(HierarchicalAverage(layout, *layout.process_groups()))
         merge.apply()                      # the previous merge's correction, if any
         merge.launch(MergedTensors(params, exact, moments, squares, torch.bfloat16))
     """

@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
 CRITEO_SAMPLE = SHARED_DATA / "criteo_kaggle_sample"
 
 # torchrec's KJT asks torch.fx whether it is tracing, which warns once per process.
@@ -189,3 +190,23 @@ def _launch(script: str, args: list[str], world: int, port: int, timeout: float,
         assert p.returncode == 0 and line, f"rank {r} failed\n{tails()}"
         results.append(json.loads(line[len("RESULT "):]))
     return results
+
+
+@pytest.fixture
+def in_process(monkeypatch):
+    """Calls ``ctr_lightning.cli.main`` here, in the test's process, from the repository
+    root; main() installs its own root log handler, so the root logger is put back afterwards."""
+    import sys
+
+    from ctr_lightning.cli import main
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["ctr-lightning"])  # not pytest's own arguments
+    yield main
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    for handler in handlers:
+        root.addHandler(handler)
+    root.setLevel(level)

@@ -11,7 +11,7 @@ from ctr_lightning.datamodules.batch_loader import BatchDataLoader
 from ctr_lightning.datamodules.stream_dataset import LogStreamDataset
 
 from .test_criteo import reference_rows
-from .test_sharding_and_bad_lines import reference_tuples, rows_of
+from .test_stream_dataset import reference_tuples, rows_of
 
 
 def _read(path, block_size, bad_lines="raise"):

@@ -277,28 +277,6 @@ def test_lfu_eviction_and_planned_capacities_give_the_same_weights(tmp_path):
             assert torch.equal(got[t.name], reference[t.name]), t.name
 
 
-def test_ssd_log_compacts_and_keeps_the_latest_rows(tmp_path):
-    from ctr_lightning.embedding.ssd import SsdStore
-
-    store = SsdStore(tmp_path, "g", width=4, table_names=["a", "b"], garbage_bytes=16 * 1000)
-    rng = np.random.default_rng(0)
-    latest = {}
-    for step in range(200):
-        ids = rng.choice(3000, size=500, replace=False)
-        tables = rng.integers(0, 2, 500)
-        keep = np.unique(np.stack([ids, tables], 1), axis=0, return_index=True)[1]
-        ids, tables = ids[keep], tables[keep]
-        rows = rng.random((len(ids), 4), dtype=np.float32) + step
-        store.write(tables, ids, rows)
-        latest.update({(int(t), int(i)): r for t, i, r in zip(tables, ids, rows)})
-    assert store.records < 200 * 500  # the log was compacted on the way
-    keys = list(latest)
-    found, rows, _ = store.read(np.array([k[0] for k in keys]), np.array([k[1] for k in keys]))
-    assert found.all() and len(store) == len(keys)
-    np.testing.assert_array_equal(rows, np.stack([latest[k] for k in keys]))
-    assert store.records <= 2 * len(keys) + 1000 + 500
-
-
 def test_dtype_conversions_leave_the_device_tier_where_it_is():
     # meta stands in for CUDA: .float() / .double() on the module must not pull the tier to CPU.
     ebc = TieredEmbeddingBagCollection(TABLES, device="meta")
@@ -324,3 +302,14 @@ def test_device_tier_in_gpu_memory_matches_cpu(tmp_path, cpu_steps):
     for t in TABLES:
         torch.testing.assert_close(gpu.rows(t.name, np.arange(ROWS)), cpu.rows(t.name, np.arange(ROWS)),
                                    atol=1e-5, rtol=0)
+
+
+def test_k_step_tables_follow_the_strategy_unless_told_otherwise():
+    following = TieredEmbeddingBagCollection(TABLES, sparse_sync="k_step")
+    fixed = TieredEmbeddingBagCollection(TABLES, sparse_sync="k_step", sync_every=8)
+    for ebc in (following, fixed):
+        ebc.follow_merge_schedule(4, warmup_steps=2)
+    assert (following._merge_schedule.k, following._merge_schedule.warmup_steps) == (4, 2)
+    assert (fixed._merge_schedule.k, fixed._merge_schedule.warmup_steps) == (8, 0)
+    with pytest.raises(ValueError, match="sync_every must be >= 1"):
+        TieredEmbeddingBagCollection(TABLES, sparse_sync="k_step", sync_every=0)

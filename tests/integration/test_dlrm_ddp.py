@@ -10,6 +10,7 @@ import json, sys
 import lightning.pytorch as pl
 from ctr_lightning.datamodules import SyntheticCriteoDataModule
 from ctr_lightning.models import DLRMModule
+from ctr_lightning.strategies import KStepAdamStrategy
 
 world, data_dir, sharding, sparse_sync = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 pl.seed_everything(0)
@@ -17,7 +18,7 @@ dm = SyntheticCriteoDataModule(data_dir=data_dir, train_rows=60_000, val_rows=20
                                batch_size=512 // world)
 model = DLRMModule(embedding_dim=8, num_embeddings=20_000, dense_arch_layer_sizes=[16], over_arch_layer_sizes=[32, 1],
                    learning_rate=3e-3, sparse_learning_rate=0.02, sharding=sharding,
-                   sparse_sync=sparse_sync, sync_every=4)
+                   sparse_sync=sparse_sync)  # sync_every: the k-step strategy's k
 bytes_logged = []
 
 class Bytes(pl.Callback):
@@ -25,14 +26,16 @@ class Bytes(pl.Callback):
         if "comm/embedding_bytes_per_step" in trainer.callback_metrics:
             bytes_logged.append(float(trainer.callback_metrics["comm/embedding_bytes_per_step"]))
 
-trainer = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp" if world > 1 else "auto", max_epochs=1,
+strategy = "auto" if world == 1 else KStepAdamStrategy(k=4) if sparse_sync == "k_step" else "ddp"
+trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=1,
                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                      num_sanity_val_steps=0, callbacks=[Bytes()])
 trainer.fit(model, datamodule=dm)
 plan = model.embeddings.sharding_plan or {}
 print("RESULT " + json.dumps({"rank": trainer.global_rank, "auc": float(trainer.callback_metrics["val/auc"]),
                               "bytes": bytes_logged[-1] if bytes_logged else 0.0,
-                              "kinds": sorted({p.kind for p in plan.values()})}), flush=True)
+                              "kinds": sorted({p.kind for p in plan.values()}), "steps": trainer.global_step,
+                              "table_merges": getattr(model.embeddings._built(), "merges", 0)}), flush=True)
 import torch.distributed as _dist
 if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
     _dist.destroy_process_group()
@@ -71,7 +74,10 @@ def test_two_cpu_processes_train_as_well_as_one(tmp_path, run_ranks):
     assert two[0]["auc"] == two[1]["auc"]  # the metric is synced over ranks
     assert abs(two[0]["auc"] - one["auc"]) < 0.005, (one, two)
     assert two[0]["kinds"] == ["row_wise"] and all(r["bytes"] > 0 for r in two)
-    # Sparse k-step sync (replicas merged every 4 steps) is another algorithm: close, not equal.
+    # k-step Adam with k=4, and the replicated tables merged with the strategy's k: another
+    # algorithm, close to one process, not equal.
     replicas = _fit(run_ranks, 2, str(tmp_path / "two"), "row_wise", "k_step")
     assert replicas[0]["auc"] == replicas[1]["auc"]
     assert abs(replicas[0]["auc"] - one["auc"]) < 0.01, (one, replicas)
+    # A merge after every 4th step, when the next step starts.
+    assert replicas[0]["table_merges"] == (replicas[0]["steps"] - 1) // 4 > 20

@@ -1,0 +1,88 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+ROOT = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-m", "ctr_lightning.cli"]
+
+
+def run_cli(*args, cwd=ROOT):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([*CLI, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_tiny_fit_logs_to_tensorboard_and_checkpoints(tmp_path):
+    result = run_cli(
+        "fit", "--config", "configs/demo.yaml",
+        "--data.data_dir", str(tmp_path / "data"), "--data.train_rows", "4000", "--data.val_rows", "1000",
+        "--data.batch_size", "128", "--model.embedding_dim", "8", "--model.num_embeddings", "5000",
+        "--trainer.max_epochs", "2", "--trainer.max_steps", "40", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+        "--trainer.enable_progress_bar", "false",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    log_dir = tmp_path / "runs" / "demo" / "version_0"
+    out = result.stdout + result.stderr
+    assert f"tensorboard --logdir {tmp_path / 'runs'}" in out
+    assert str(log_dir / "checkpoints" / "last.ckpt") in out
+    assert (log_dir / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "data" / "seed0-card100000-zipf1.1" / "train-4000.tsv").is_file()
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in ("train/loss", "train/examples_per_sec", "val/loss", "val/auc", "val/logloss", "val/ne"):
+        assert tag in tags, sorted(tags)
+    hparams = yaml.safe_load((log_dir / "hparams.yaml").read_text())
+    assert hparams["embedding_dim"] == 8 and hparams["train_rows"] == 4000 and hparams["batch_size"] == 128
+    # One whole epoch (32 steps, then validation), then max_steps stops epoch two early.
+    assert events.Scalars("val/auc")[0].step == 31
+    assert events.Scalars("train/loss")[-1].step < 40
+
+
+def _fit_shipped_config(main, config, train, val, tmp_path) -> set[str]:
+    """Trains with a shipped config, in this process; returns the scalars it logged."""
+    main(["fit", "--config", config, "--data.train_paths", f"[{train}]", "--data.val_paths", f"[{val}]",
+          "--data.batch_size", "256", "--data.num_workers", "0", "--model.embedding_dim", "8",
+          "--model.dense_arch_layer_sizes", "[8]", "--model.over_arch_layer_sizes", "[16, 1]",
+          "--trainer.max_epochs", "1", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+          "--trainer.enable_progress_bar", "false"])
+    (run,) = (tmp_path / "runs").glob("*/version_0")
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    events = EventAccumulator(str(run))
+    events.Reload()
+    return set(events.Tags()["scalars"])
+
+
+def test_shipped_avazu_config_trains(tmp_path, avazu_sample, in_process):
+    assert "val/auc" in _fit_shipped_config(in_process, "configs/avazu.yaml", avazu_sample, avazu_sample, tmp_path)
+
+
+def test_shipped_criteo_config_trains(tmp_path, criteo_sample, in_process):
+    scalars = _fit_shipped_config(in_process, "configs/criteo.yaml", criteo_sample.head, criteo_sample.head, tmp_path)
+    assert "val/auc" in scalars  # (8 steps: fewer than log_every_n_steps, so no train/loss)
+
+
+@pytest.mark.slow
+def test_multi_node_config_trains_with_kstep_adam_on_two_processes(tmp_path, synthetic_criteo_sample):
+    data = synthetic_criteo_sample
+    # One machine, two CPU processes as one node each: Lightning starts the second itself.
+    result = run_cli(
+        "fit", "--config", "configs/multi_node.yaml", "--trainer.accelerator", "cpu", "--trainer.devices", "2",
+        "--trainer.num_nodes", "1", "--trainer.strategy.init_args.mode", "all",
+        "--trainer.strategy.init_args.k", "4", "--trainer.strategy.init_args.warmup_steps", "2",
+        "--data.train_paths", f"[{data.big}]", "--data.val_paths", f"[{data.head}]",
+        "--data.batch_size", "256", "--data.num_workers", "0", "--model.embedding_dim", "8",
+        "--model.dense_arch_layer_sizes", "[8]", "--model.over_arch_layer_sizes", "[16, 1]",
+        "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--trainer.enable_progress_bar", "false",
+        "--trainer.log_every_n_steps", "1",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout + result.stderr
+    assert "KStepAdamStrategy: k=4, mode=all, 1 node(s) x 2 rank(s)" in out and "val/auc=" in out
+    events = EventAccumulator(str(next((tmp_path / "runs").rglob("events.out.tfevents.*")))).Reload()
+    assert {"kstep/merge_ms", "kstep/divergence", "kstep/intra_node_bytes"} <= set(events.Tags()["scalars"])
