@@ -12,7 +12,9 @@ import pyarrow.csv as pacsv
 
 from ctr_lightning.datamodules import field_decoders as fd
 from ctr_lightning.datamodules.bad_lines import BadLineError
+from ctr_lightning.datamodules.format_hints import format_hint
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
+from ctr_lightning.datamodules.row_index import FileIndex
 from ctr_lightning.datamodules.sources import FileSlice, read_csv_blocks
 from ctr_lightning.datamodules.log_format import DecodedRows
 
@@ -84,16 +86,21 @@ class AvazuFormat:
                                              strings_can_be_null=False)
         self._salts = [fd.feature_salt(f) for f in range(len(AVAZU_SPARSE))]
 
+    def check_file(self, index: FileIndex) -> None:
+        """The file's first line must be the Avazu header (checked once, when it is indexed)."""
+        if not index.head:
+            return  # an empty file: no record, nothing to read
+        header = index.head.split(b"\n", 1)[0].rstrip(b"\r").decode("utf-8", "replace")
+        if header.split(",") != list(AVAZU_COLUMNS):
+            hint = format_hint(index.head, type(self).__name__)
+            raise BadLineError(index.path, 1, "expected the Avazu header " + ",".join(AVAZU_COLUMNS)
+                               + (f" ({hint})" if hint else ""), header)
+
     def read(self, fslice: FileSlice, on_invalid_row: Callable[[object], str]) -> Iterator[pa.RecordBatch]:
         read = pacsv.ReadOptions(column_names=list(AVAZU_COLUMNS), block_size=self.block_size, use_threads=False)
         parse = pacsv.ParseOptions(delimiter=",", quote_char=False, ignore_empty_lines=False,
                                    invalid_row_handler=on_invalid_row)
-        with fslice.open() as f:
-            if fslice.compressed or fslice.start == 0:  # this slice begins with the header line
-                header = f.readline().rstrip(b"\r\n").decode("utf-8", "replace")
-                if header.split(",") != list(AVAZU_COLUMNS):
-                    raise BadLineError(fslice.path, 1, "expected the Avazu header " + ",".join(AVAZU_COLUMNS),
-                                       header)
+        with fslice.open() as f:  # the records only: the header line is not part of any slice
             yield from read_csv_blocks(f, read, parse, self._convert)
 
     def decode(self, batch: pa.RecordBatch) -> DecodedRows:

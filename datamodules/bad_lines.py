@@ -14,12 +14,17 @@ MAX_EXAMPLES = 5
 
 
 class BadLineError(ValueError):
-    """A malformed record in an ad log, with the file, line and text that caused it."""
+    """A malformed record in an ad log, with the file, line and text that caused it.
 
-    def __init__(self, path: str, line: int | None, reason: str, text: bytes | str | None = None) -> None:
+    ``BadLineError(message)`` alone is the whole message (as a DataLoader worker's
+    exception is rebuilt in the main process).
+    """
+
+    def __init__(self, path: str, line: int | None = None, reason: str | None = None,
+                 text: bytes | str | None = None) -> None:
         where = f"{path}:{line}" if line is not None else path
         shown = text.decode("utf-8", "replace") if isinstance(text, bytes) else text
-        message = f"{where}: {reason}"
+        message = where if reason is None else f"{where}: {reason}"
         if shown is not None:
             message += f": {shown[:200]!r}"
         super().__init__(message)

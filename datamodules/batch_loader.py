@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -26,6 +26,10 @@ class BatchDataLoader(DataLoader):
     epoch never waits for a rank that has finished. The batches the other ranks hold back
     then are counted and logged, never dropped silently.
 
+    With ``require_examples`` (training), a pass that yields no batch at all is an
+    :class:`EmptyEpochError` naming the files and why. ``epoch_of`` tells the dataset the
+    epoch when a pass starts (its shards may rotate with it).
+
     Example::
 
         loader = BatchDataLoader(LogStreamDataset(["day_0.tsv"], CriteoFormat(), batch_size=4096),
@@ -33,10 +37,13 @@ class BatchDataLoader(DataLoader):
         for batch in loader: ...
     """
 
-    def __init__(self, dataset: LogStreamDataset, process_group: Any = None, **kwargs: Any) -> None:
+    def __init__(self, dataset: LogStreamDataset, process_group: Any = None, require_examples: bool = False,
+                 epoch_of: Callable[[], int] | None = None, **kwargs: Any) -> None:
         kwargs["batch_size"] = None  # the dataset yields whole batches, built in the workers
         super().__init__(dataset, **kwargs)
         self.process_group = process_group
+        self.require_examples = require_examples
+        self.epoch_of = epoch_of
         self.shard_log: list[int] = []  # the shard of every batch handed out, in order
         self.held_back = (0, 0)  # (batches, examples) of the last pass not handed out to keep ranks even
         self.bad_line_counts: Counter[str] = Counter()  # lines skipped this pass, per file, all workers
@@ -57,17 +64,22 @@ class BatchDataLoader(DataLoader):
         self.shard_log = []
         self.held_back = (0, 0)
         self.bad_line_counts = Counter()
+        if self.epoch_of is not None:
+            self.dataset.epoch = self.epoch_of()  # before the workers start, with a copy of the dataset
         batches = self._batches()
         while True:
             item = next(batches, None)
             if self.process_group is not None and not _all_ranks_have(item is not None, self.process_group):
                 if item is not None:
                     self._hold_back(item, batches)
-                return
+                break
             if item is None:
-                return
+                break
             self.shard_log.append(item[0])
             yield item[1]
+        if self.require_examples and not self.shard_log:
+            raise EmptyEpochError(f"epoch {self.dataset.epoch} of rank {self.dataset.rank} yielded no training "
+                                  f"example: {self.dataset.describe_empty(self.bad_line_counts)}")
 
     def _hold_back(self, item: tuple[int, Batch], rest: Iterator[tuple[int, Batch]]) -> None:
         count, examples = 1, len(item[1])
@@ -84,6 +96,10 @@ class BatchDataLoader(DataLoader):
         for shard in self.shard_log[:batches]:
             counts[shard] = counts.get(shard, 0) + 1
         return counts
+
+
+class EmptyEpochError(ValueError):
+    """A training pass over the data yielded nothing: the run would train on nothing."""
 
 
 def _all_ranks_have(have: bool, process_group: Any) -> bool:

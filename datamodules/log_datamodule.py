@@ -9,10 +9,11 @@ import lightning.pytorch as pl
 import torch
 
 from ctr_lightning.datamodules.bad_lines import BadLinePolicy
-from ctr_lightning.datamodules.sources import expand_paths
+from ctr_lightning.datamodules.row_index import FileIndex, default_index_dir
+from ctr_lightning.datamodules.sources import expand_paths, time_slices
 from ctr_lightning.datamodules.batch_loader import BatchDataLoader
 from ctr_lightning.datamodules.log_format import LogFormat
-from ctr_lightning.datamodules.stream_dataset import LogStreamDataset
+from ctr_lightning.datamodules.stream_dataset import LogStreamDataset, index_log_files
 
 _STAGES = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 
@@ -32,9 +33,18 @@ class LogDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes per rank.
         bad_lines: ``"skip"`` (count and log) or ``"raise"`` (stop with file:line).
         online: time-ordered training: ``train_paths`` are successive time slices (one
-            file or glob match per day, in name order); epoch k trains on slice k and
-            validates on slice k + 1 (progressive validation). Needs
-            ``Trainer(reload_dataloaders_every_n_epochs=1)`` and no ``val_paths``.
+            file per day in name order, or Hive-style partitions such as
+            ``logs/dt=2026-12-01/part-*.parquet``, one partition a day, in date order);
+            epoch k trains on slice k and validates on slice k + 1 (progressive
+            validation). Needs ``Trainer(reload_dataloaders_every_n_epochs=1)`` and no
+            ``val_paths``.
+        max_bad_fraction: a file whose share of bad lines is larger (beyond a stray few)
+            stops the run, naming the file and its first bad lines; None: no limit.
+        shuffle_shards: deal the pieces of the data to the ranks in another order every
+            epoch (seeded by ``shuffle_seed`` and the epoch), so no rank reads the same
+            piece every epoch.
+        index_dir: where the files' record counts are cached (default
+            ``$CTR_LIGHTNING_CACHE/row_index``, ``~/.cache/ctr-lightning/row_index``).
 
     Example::
 
@@ -55,6 +65,10 @@ class LogDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         bad_lines: BadLinePolicy = "skip",
         online: bool = False,
+        max_bad_fraction: float | None = 0.001,
+        shuffle_shards: bool = False,
+        shuffle_seed: int = 0,
+        index_dir: str | None = None,
     ) -> None:
         super().__init__()
         if online and val_paths:
@@ -65,6 +79,8 @@ class LogDataModule(pl.LightningDataModule):
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if bad_lines not in ("skip", "raise"):
             raise ValueError(f"bad_lines must be 'skip' or 'raise', got {bad_lines!r}")
+        if max_bad_fraction is not None and not 0.0 <= max_bad_fraction <= 1.0:
+            raise ValueError(f"max_bad_fraction must be in [0, 1] or None, got {max_bad_fraction}")
         # The subclass's own arguments describe the format; an object in the hyper-parameters
         # would not load with torch.load(weights_only=True).
         self.save_hyperparameters(ignore=["log_format"])
@@ -74,7 +90,11 @@ class LogDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.bad_lines = bad_lines
         self.online = online
+        self.max_bad_fraction = max_bad_fraction
+        self.shuffle_shards, self.shuffle_seed = shuffle_shards, shuffle_seed
+        self.index_dir = index_dir if index_dir is not None else default_index_dir()
         self.files: dict[str, list[str]] = {}
+        self._indexes: dict[str, FileIndex] = {}  # per path: its record count, from the cache or counted
         self.epoch_files: dict[str, list[str]] = {}  # what each split's latest loader reads
         self._train_loader: BatchDataLoader | None = None
         self._sync_process_group: Any = None  # set up in a distributed fit, to keep ranks' batch counts equal
@@ -88,6 +108,13 @@ class LogDataModule(pl.LightningDataModule):
     def num_dense_features(self) -> int:
         return self.format.num_dense_features
 
+    def prepare_data(self) -> None:
+        # Once per node (Lightning's local rank 0): count the records of every file into
+        # the cache, so that the other ranks read the counts in setup().
+        for split, paths in self.paths.items():
+            if paths:
+                self._index(expand_paths(paths, what=f"{split}_paths"))
+
     def setup(self, stage: str) -> None:
         for split in _STAGES[stage]:
             paths = self.paths[split]
@@ -96,6 +123,7 @@ class LogDataModule(pl.LightningDataModule):
                     continue  # fitting without validation is allowed
                 raise ValueError(f"{type(self).__name__}: stage {stage!r} needs {split}_paths")
             self.files[split] = expand_paths(paths, what=f"{split}_paths")
+            self._index(self.files[split])
         if self.online and stage == "fit":
             self.setup_online()
         trainer = self.trainer
@@ -104,25 +132,30 @@ class LogDataModule(pl.LightningDataModule):
             # A CPU (gloo) group of its own: the default group may be NCCL.
             self._sync_process_group = torch.distributed.new_group(backend="gloo")
 
+    def _index(self, paths: list[str]) -> None:
+        new = [p for p in paths if p not in self._indexes]
+        for index in index_log_files(new, self.format, self.index_dir):
+            self._indexes[index.path] = index
+
     def setup_online(self) -> None:
         """Check that the Trainer reloads loaders every epoch and that enough slices exist."""
         trainer = self.trainer
         if trainer is not None and trainer.reload_dataloaders_every_n_epochs != 1:
             raise ValueError("online mode needs Trainer(reload_dataloaders_every_n_epochs=1), got "
                              f"{trainer.reload_dataloaders_every_n_epochs}")
-        days = self.files["train"]
+        days = time_slices(self.files["train"])
         if len(days) < 2:
             raise ValueError(f"online mode needs at least two time slices in train_paths, got {days}")
 
     def online_files(self, split: str) -> list[str]:
         """This epoch's slice: day k for training, day k + 1 for validation."""
-        days = self.files["train"]
+        days = time_slices(self.files["train"])
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         day = epoch + (1 if split == "val" else 0)
         if day >= len(days):
             raise ValueError(f"online mode: epoch {epoch} needs time slice {day}, but train_paths has "
-                             f"{len(days)} ({days[0]} .. {days[-1]}); use max_epochs <= {len(days) - 1}")
-        return [days[day]]
+                             f"{len(days)} ({days[0][0]} .. {days[-1][-1]}); use max_epochs <= {len(days) - 1}")
+        return days[day]
 
     def _dataloader(self, split: str) -> BatchDataLoader:
         if split not in self.files and not (self.online and split == "val"):
@@ -133,15 +166,20 @@ class LogDataModule(pl.LightningDataModule):
         self.epoch_files[split] = files
         skip = self._take_resume(files, rank, world) if split == "train" else None
         dataset = LogStreamDataset(
-            files, self.format, batch_size=self.batch_size, rank=rank,
-            world_size=world, bad_lines=self.bad_lines, skip_batches=skip,
+            files, self.format, batch_size=self.batch_size, rank=rank, world_size=world, bad_lines=self.bad_lines,
+            skip_batches=skip, max_bad_fraction=self.max_bad_fraction, files=[self._indexes[f] for f in files],
+            seed=self.shuffle_seed, rotate=self.shuffle_shards and split == "train",
         )
         # Every split takes equal steps on all ranks: a sharded embedding collection runs
         # collectives in evaluation too, so a rank that stopped early would hang the rest.
-        loader = BatchDataLoader(dataset, process_group=self._sync_process_group, num_workers=self.num_workers)
+        loader = BatchDataLoader(dataset, process_group=self._sync_process_group, num_workers=self.num_workers,
+                                 require_examples=split == "train", epoch_of=self._current_epoch)
         if split == "train":
             self._train_loader = loader
         return loader
+
+    def _current_epoch(self) -> int:
+        return self.trainer.current_epoch if self.trainer is not None else 0
 
     @property
     def bad_line_counts(self) -> dict[str, int]:
@@ -173,6 +211,7 @@ class LogDataModule(pl.LightningDataModule):
             "world_size": trainer.world_size,
             "num_workers": self.num_workers,
             "batch_size": self.batch_size,
+            "shuffle": [self.shuffle_shards, self.shuffle_seed],
             "shard_batches": shard_batches,
         }
 
@@ -186,12 +225,14 @@ class LogDataModule(pl.LightningDataModule):
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
         if state["epoch"] != epoch:
             return None  # the checkpoint closed its epoch; this one starts fresh
-        layout = (state["files"], state["world_size"], state["num_workers"], state["batch_size"])
-        if layout != (files, world, self.num_workers, self.batch_size):
+        layout = (state["files"], state["world_size"], state["num_workers"], state["batch_size"],
+                  state.get("shuffle", [False, 0]))
+        now = (files, world, self.num_workers, self.batch_size, [self.shuffle_shards, self.shuffle_seed])
+        if layout != now:
             raise ValueError(
-                "cannot resume mid-epoch: the checkpoint read files/world_size/num_workers/batch_size "
-                f"{layout}, this run {(files, world, self.num_workers, self.batch_size)}; resume with the "
-                "same layout or from an end-of-epoch checkpoint")
+                "cannot resume mid-epoch: the checkpoint read files/world_size/num_workers/batch_size/"
+                f"[shuffle_shards, shuffle_seed] {layout}, this run {now}; resume with the same layout or from "
+                "an end-of-epoch checkpoint")
         return {int(k): v for k, v in state["shard_batches"].items()}
 
     def train_dataloader(self) -> BatchDataLoader:

@@ -4,7 +4,6 @@ multi-hot (list) columns named by the user."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -23,13 +22,6 @@ from ctr_lightning.datamodules.log_format import DecodedRows, JaggedIds
 _NULL_INT = np.iinfo(np.int64).min
 
 
-@dataclass
-class SkippedRowGroup:
-    """A row group that another shard reads: only its size is needed here."""
-
-    num_rows: int
-
-
 def _categorical_ids(column: pa.Array, salt: np.uint64, where: str) -> np.ndarray:
     """Ids of an integer, string or binary column; nulls are a value of their own."""
     if pa.types.is_integer(column.type) or pa.types.is_boolean(column.type):
@@ -43,7 +35,7 @@ def _categorical_ids(column: pa.Array, salt: np.uint64, where: str) -> np.ndarra
 
 
 class ParquetFormat:
-    """Reads Parquet row groups (a shard owns every ``stripes``-th one) into model arrays.
+    """Reads row ranges of Parquet files (slices of row groups) into model arrays.
 
     Dense columns are used as they are (cast to float32; null is 0). Categorical
     columns (integers or strings) are hashed with their feature index to 63-bit ids.
@@ -91,13 +83,18 @@ class ParquetFormat:
             missing = [c for c in self.columns if c not in pf.schema_arrow.names]
             if missing:
                 raise BadLineError(fslice.path, None, f"missing columns {missing}; it has {pf.schema_arrow.names}")
+            # The row groups that overlap the slice, each cut to it: one batch per piece.
+            stop = pf.metadata.num_rows if fslice.stop is None else fslice.stop
+            start = 0
             for group in range(pf.num_row_groups):
-                if group % fslice.stripes != fslice.stripe:
-                    yield SkippedRowGroup(pf.metadata.row_group(group).num_rows)  # type: ignore[misc]
-                    continue
-                table = pf.read_row_group(group, columns=self.columns).combine_chunks()
-                batches = table.to_batches()  # one batch per row group, so indices stay row groups
-                yield batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
+                rows = pf.metadata.row_group(group).num_rows
+                lo, hi = max(fslice.first, start), min(stop, start + rows)
+                if hi > lo:
+                    table = pf.read_row_group(group, columns=self.columns).slice(lo - start, hi - lo)
+                    yield table.combine_chunks().to_batches()[0]
+                start += rows
+                if start >= stop:
+                    break
 
     def decode(self, batch: pa.RecordBatch) -> DecodedRows:
         n = batch.num_rows

@@ -14,7 +14,9 @@ import pyarrow.csv as pacsv
 from fsspec.core import url_to_fs
 from fsspec.utils import infer_compression
 
+
 _GLOB_CHARS = set("*?[")
+MARK_EVERY = 1 << 16  # records between two byte offsets a plain text file's index keeps
 
 
 def expand_paths(paths: str | Sequence[str], what: str = "data") -> list[str]:
@@ -44,52 +46,88 @@ def expand_paths(paths: str | Sequence[str], what: str = "data") -> list[str]:
     return found
 
 
+def time_slices(files: Sequence[str]) -> list[list[str]]:
+    """The files grouped into time slices, in time order: one per Hive-style partition
+    directory (``.../dt=2026-12-01/part-0.parquet``: the deepest ``key=value`` directory
+    holding the file), or one per file where there is none.
+
+    Example::
+
+        time_slices(["logs/dt=2026-12-02/a", "logs/dt=2026-12-01/b", "logs/dt=2026-12-01/a"])
+        # [["logs/dt=2026-12-01/a", "logs/dt=2026-12-01/b"], ["logs/dt=2026-12-02/a"]]
+    """
+    groups: dict[str, list[str]] = {}
+    for path in files:
+        parts = path.split("/")
+        partition = max((i for i, p in enumerate(parts[:-1]) if "=" in p), default=None)
+        key = "/".join(parts[: partition + 1]) if partition is not None else path
+        groups.setdefault(key, []).append(path)
+    return [sorted(groups[key]) for key in sorted(groups)]
+
+
 @dataclass(frozen=True)
 class FileSlice:
-    """The part of one file that one shard reads.
+    """Records ``[first, stop)`` of one file (``stop`` None: to the end): the lines after
+    its ``header_lines``, or the rows of a Parquet file.
 
-    Uncompressed files are cut into byte ranges; a line belongs to the range holding
-    its first byte. Compressed files cannot be seeked, so every shard decodes the whole
-    file and keeps record batches ``stripe, stripe + stripes, ...``.
+    A plain text file is entered at the byte offset its index keeps for every
+    ``MARK_EVERY``-th record (``marks``), so a slice costs reading its own bytes and
+    fewer than ``MARK_EVERY`` lines before each end; a compressed one is decoded from its
+    start (it cannot be seeked) and the records before the slice are skipped.
+
+    Example::
+
+        with FileSlice("day_0.tsv", first=1000, stop=2000).open() as f:
+            f.read()   # exactly lines 1001-2000 of the file
     """
 
     path: str
-    start: int = 0
-    end: int | None = None
-    stripe: int = 0
-    stripes: int = 1
+    first: int = 0
+    stop: int | None = None
+    header_lines: int = 0
+    marks: tuple[int, ...] = ()
 
     @property
     def compressed(self) -> bool:
         return infer_compression(self.path) is not None
 
-    def open(self) -> io.RawIOBase | io.BufferedIOBase:
-        if self.compressed:
-            return _SmallReads(fsspec.open(self.path, "rb", compression="infer").open())
-        return _LineRange(fsspec.open(self.path, "rb").open(), self.start, self.end)
+    def open(self) -> io.RawIOBase:
+        """The bytes of exactly this slice's records, lines whole."""
+        count = None if self.stop is None else self.stop - self.first
+        if self.compressed or not self.marks:
+            raw = SmallReads(fsspec.open(self.path, "rb", compression="infer").open())
+            return _RecordRange(raw, skip=self.header_lines + self.first, count=count)
+        raw = fsspec.open(self.path, "rb").open()
+        start = _record_offset(raw, self.marks, self.first)
+        end = None if self.stop is None else _record_offset(raw, self.marks, self.stop)
+        return _ByteRange(raw, start, end)
 
 
-def plan_slices(paths: Sequence[str], shard: int, num_shards: int, line_based: bool = True) -> list[FileSlice]:
-    """The slices of ``paths`` that shard ``shard`` of ``num_shards`` reads, in file order.
-
-    Line-based files are cut by byte ranges; compressed and columnar ones by stripes.
-    """
-    if not 0 <= shard < num_shards:
-        raise ValueError(f"shard {shard} outside [0, {num_shards})")
-    slices = []
-    for path in paths:
-        if infer_compression(path) is not None or not line_based:
-            slices.append(FileSlice(path, stripe=shard, stripes=num_shards))
-            continue
-        fs, root = url_to_fs(path)
-        size = fs.size(root)
-        start, end = size * shard // num_shards, size * (shard + 1) // num_shards
-        if end > start:
-            slices.append(FileSlice(path, start, end))
-    return slices
+def _record_offset(f: io.IOBase, marks: Sequence[int], record: int) -> int | None:
+    """The byte offset where ``record`` starts in a plain text file (None: past its end)."""
+    mark = record // MARK_EVERY
+    if mark >= len(marks):
+        return None  # the end of the file: the last mark's records run to it
+    f.seek(marks[mark])
+    return marks[mark] + _skip_lines(f, record - mark * MARK_EVERY)
 
 
-class _SmallReads(io.RawIOBase):
+def _skip_lines(f: io.IOBase, n: int) -> int:
+    """Read past ``n`` whole lines of ``f``; returns the bytes read (fewer at its end)."""
+    skipped = 0
+    while n > 0:
+        data = f.read(1 << 20)
+        if not data:
+            break
+        ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+        if len(ends) >= n:
+            return skipped + int(ends[n - 1]) + 1
+        n -= len(ends)
+        skipped += len(data)
+    return skipped
+
+
+class SmallReads(io.RawIOBase):
     """Decompressed reads of at most 64 KiB that end quietly where the data breaks off.
 
     A truncated or corrupt stream then ends after its last whole piece, so every record
@@ -121,32 +159,20 @@ class _SmallReads(io.RawIOBase):
         super().close()
 
 
-def line_boundary(f: io.IOBase, offset: int) -> int:
-    """The first line start at or after byte ``offset`` of a seekable file."""
-    if offset == 0:
-        return 0
-    f.seek(offset - 1)
-    f.readline()
-    return f.tell()
+class _ByteRange(io.RawIOBase):
+    """A read-only view of bytes ``[start, end)`` of a seekable file (``end`` None: its end)."""
 
-
-class _LineRange(io.RawIOBase):
-    """A read-only view of the lines whose first byte lies in ``[start, end)``."""
-
-    def __init__(self, raw: io.BufferedIOBase, start: int, end: int | None) -> None:
+    def __init__(self, raw: io.IOBase, start: int | None, end: int | None) -> None:
         self._raw = raw
-        self.line_start = line_boundary(raw, start)
-        self.line_end = line_boundary(raw, end) if end is not None else None
-        raw.seek(self.line_start)
-        self._pos = self.line_start
+        self._pos = start if start is not None else raw.seek(0, io.SEEK_END)
+        self._end = end
+        raw.seek(self._pos)
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
-        want = len(buffer)
-        if self.line_end is not None:
-            want = min(want, self.line_end - self._pos)
+        want = len(buffer) if self._end is None else min(len(buffer), self._end - self._pos)
         if want <= 0:
             return 0
         data = self._raw.read(want)
@@ -159,29 +185,74 @@ class _LineRange(io.RawIOBase):
         super().close()
 
 
+class _RecordRange(io.RawIOBase):
+    """The lines of a stream after its first ``skip``: ``count`` of them (None: all).
+
+    For streams that cannot seek (compressed files): lines are counted as they pass.
+    A stream that breaks off keeps its error (see :class:`SmallReads`).
+    """
+
+    def __init__(self, raw: io.RawIOBase, skip: int, count: int | None) -> None:
+        self._raw = raw
+        self._skip = skip
+        self._left = count  # newlines still to hand out; None: no limit
+        self._pending = b""
+
+    @property
+    def error(self) -> Exception | None:
+        return getattr(self._raw, "error", None)
+
+    def readable(self) -> bool:
+        return True
+
+    def _fill(self) -> bytes:
+        while not self._pending:
+            data = self._raw.read(1 << 16)
+            if not data:
+                return b""
+            if self._skip:
+                ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+                if len(ends) < self._skip:
+                    self._skip -= len(ends)
+                    continue
+                data = data[int(ends[self._skip - 1]) + 1 :]
+                self._skip = 0
+            self._pending = data
+        return self._pending
+
+    def readinto(self, buffer: memoryview) -> int:  # type: ignore[override]
+        if self._left == 0:
+            return 0
+        data = self._fill()
+        if not data:
+            return 0
+        data = data[: len(buffer)]
+        if self._left is not None:
+            ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+            if len(ends) >= self._left:
+                data = data[: int(ends[self._left - 1]) + 1]
+                self._left = 0
+            else:
+                self._left -= len(ends)
+        self._pending = self._pending[len(data) :]
+        buffer[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
 def iter_lines(fslice: FileSlice) -> Iterator[tuple[int, bytes]]:
     """(1-based line number in the file, line without newline) for every line of a slice.
 
     Only used to name the line of a bad record, so its cost is paid on errors alone.
     """
-    with fsspec.open(fslice.path, "rb", compression="infer") as f:
-        line_no, start, end = 0, 0, None
-        if not fslice.compressed:
-            start = line_boundary(f, fslice.start)
-            end = None if fslice.end is None else line_boundary(f, fslice.end)
-            f.seek(0)
-            remaining = start
-            while remaining:
-                chunk = f.read(min(remaining, 1 << 20))
-                line_no += chunk.count(b"\n")
-                remaining -= len(chunk)
-        pos = start
+    number = fslice.header_lines + fslice.first
+    with io.BufferedReader(fslice.open()) as f:
         for line in f:
-            if end is not None and pos >= end:
-                return
-            pos += len(line)
-            line_no += 1
-            yield line_no, line.rstrip(b"\r\n")
+            number += 1
+            yield number, line.rstrip(b"\r\n")
 
 
 def line_blocks(f: io.RawIOBase | io.BufferedIOBase, block_size: int) -> Iterator[np.ndarray]:
@@ -190,7 +261,8 @@ def line_blocks(f: io.RawIOBase | io.BufferedIOBase, block_size: int) -> Iterato
     A block ends after its last newline (a line longer than a block spans several reads);
     the file's last line may lack its newline. The cut depends on the bytes alone, so
     every reader of a stream sees the same blocks. Raises the stream's kept error, as
-    :func:`read_csv_blocks` does, once the readable part has been handed out.
+    :func:`read_csv_blocks` does, once its whole lines have been handed out (the line the
+    break cut off is part of that error, not a line of its own).
     """
     tail = b""
     while True:
@@ -204,7 +276,7 @@ def line_blocks(f: io.RawIOBase | io.BufferedIOBase, block_size: int) -> Iterato
             got += n
         view.release()
         if got == len(tail):  # end of the stream
-            if tail:
+            if tail and getattr(f, "error", None) is None:  # (a stream that broke off cut its last line)
                 yield np.frombuffer(bytes(tail), dtype=np.uint8)
             break
         cut = buffer.rfind(b"\n", 0, got) + 1

@@ -6,15 +6,18 @@ import itertools
 import logging
 import os
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ctr_lightning.datamodules.bad_lines import MAX_EXAMPLES, BadLineError, BadLineLog, BadLinePolicy
+from ctr_lightning.datamodules.format_hints import format_hint
 from ctr_lightning.datamodules.log_format import DecodedRows, LogFormat
-from ctr_lightning.datamodules.sources import FileSlice, iter_lines, plan_slices
+from ctr_lightning.datamodules.row_index import FileIndex, index_files
+from ctr_lightning.datamodules.shard_plan import plan_shard, rank_intervals
+from ctr_lightning.datamodules.sources import FileSlice, iter_lines
 from ctr_lightning.datamodules.wire import RawBatch
 
 log = logging.getLogger(__name__)
@@ -23,9 +26,22 @@ log = logging.getLogger(__name__)
 class LogStreamDataset(IterableDataset):
     """Streams batches of examples from log files without loading them whole.
 
-    Every (rank, worker) reads a disjoint shard (:func:`plan_slices`), so each example
-    is read exactly once per epoch. Batches are cut inside the workers, as
-    :class:`RawBatch` es; :class:`BatchDataLoader` turns them into ``Batch`` es.
+    Every (rank, worker) reads an equal share of the files' records (:func:`plan_shard`),
+    so each example is read exactly once per epoch and every rank cuts the same number of
+    batches. Batches are cut inside the workers, as :class:`RawBatch` es;
+    :class:`BatchDataLoader` turns them into ``Batch`` es.
+
+    Args:
+        paths: the files, in the order their records are read.
+        log_format: how they are read and decoded.
+        batch_size: examples per batch.
+        rank, world_size: this rank's place among the ranks that share the files.
+        bad_lines: ``"skip"`` (count and log) or ``"raise"`` (stop with file:line).
+        max_bad_fraction: a file slice whose bad lines exceed this share of its lines (and
+            10 lines) stops the run, naming the file (None: no limit).
+        files: the files' indexes, when the caller has them (else they are counted here).
+        epoch, seed, rotate: with ``rotate``, which ranks read which pieces changes with
+            the epoch (and seed).
 
     Example::
 
@@ -44,31 +60,43 @@ class LogStreamDataset(IterableDataset):
         drop_last: bool = False,
         message_rows: int = 1 << 16,
         skip_batches: dict[int, int] | None = None,
+        max_bad_fraction: float | None = None,
+        files: Sequence[FileIndex] | None = None,
+        epoch: int = 0,
+        seed: int = 0,
+        rotate: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if bad_lines not in ("skip", "raise"):
             raise ValueError(f"bad_lines must be 'skip' or 'raise', got {bad_lines!r}")
+        if max_bad_fraction is not None and not 0.0 <= max_bad_fraction <= 1.0:
+            raise ValueError(f"max_bad_fraction must be in [0, 1] or None, got {max_bad_fraction}")
         self.paths = list(paths)
         self.format = log_format
+        self.files = list(files) if files is not None else index_log_files(self.paths, log_format)
         self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
         self.bad_lines = bad_lines
+        self.max_bad_fraction = max_bad_fraction
         self.drop_last = drop_last
+        self.epoch, self.seed, self.rotate = epoch, seed, rotate
         # Workers ship about message_rows rows at a time: the per-message cost of
         # inter-process transfer is fixed, so fewer, larger messages read faster.
         self.batches_per_message = max(1, message_rows // batch_size)
         # Batches each shard already delivered before a restart: read again, not sent again.
         self.skip_batches = dict(skip_batches or {})
 
-    def _shard(self) -> tuple[int, int]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        return self.rank * workers + worker, self.world_size * workers
+    def plan(self, worker: int, num_workers: int) -> list[FileSlice]:
+        """What worker ``worker`` of ``num_workers`` of this rank reads this epoch."""
+        return plan_shard(self.files, self.rank, self.world_size, worker, num_workers, self.batch_size,
+                          self.epoch, self.seed, self.rotate)
 
     def __iter__(self) -> Iterator[RawBatch]:
-        shard, num_shards = self._shard()
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        shard, num_shards = self.rank * workers + worker, self.world_size * workers
         # Kept on the dataset, so a reader in this process can look at the counts afterwards.
         bad = self.bad_line_log = BadLineLog()
         skip = self.skip_batches.get(shard, 0)
@@ -84,7 +112,7 @@ class LogStreamDataset(IterableDataset):
             else:
                 ready.append(batch)
 
-        for fslice in plan_slices(self.paths, shard, num_shards, self.format.line_based):
+        for fslice in self.plan(worker, workers):
             for rows in self._read_slice(fslice, bad):
                 pending.append(rows)
                 buffered += len(rows.labels)
@@ -103,7 +131,7 @@ class LogStreamDataset(IterableDataset):
 
     def _read_slice(self, fslice: FileSlice, bad: BadLineLog) -> Iterator[DecodedRows]:
         invalid: list[str] = []
-        accepted_before = 0  # rows pyarrow accepted earlier in this slice, in all stripes
+        accepted_before = 0  # rows the parser accepted earlier in this slice
         # Lines are located only after the slice is read: ("width", nth wrong-width line)
         # or ("value", nth accepted line), with the reason.
         skipped: list[tuple[str, int, str]] = []
@@ -121,18 +149,12 @@ class LogStreamDataset(IterableDataset):
                 skipped.append(("width", nth, reason))
 
         seen_invalid = 0
-        batches = 0
         readable = True
         try:
-            for index, record_batch in enumerate(self.format.read(fslice, on_invalid_row)):
-                batches = index + 1
-                # pyarrow parses one block per batch, so rows rejected meanwhile belong to it.
-                new_invalid = range(seen_invalid, len(invalid))
+            for record_batch in self.format.read(fslice, on_invalid_row):
+                # One block per batch, so rows rejected meanwhile belong to it.
+                reject_wrong_width(range(seen_invalid, len(invalid)))
                 seen_invalid = len(invalid)
-                if index % fslice.stripes != fslice.stripe:
-                    accepted_before += record_batch.num_rows
-                    continue
-                reject_wrong_width(new_invalid)
                 rows = self.format.decode(record_batch)
                 if rows.problems:
                     bad_rows = np.flatnonzero(np.logical_or.reduce([mask for mask, _ in rows.problems]))
@@ -146,13 +168,13 @@ class LogStreamDataset(IterableDataset):
                         keep = np.ones(len(rows.labels), dtype=bool)
                         keep[bad_rows] = False
                         rows = rows.select(keep)
+                accepted_before += record_batch.num_rows
+                self._check_bad_share(fslice, len(skipped), accepted_before + len(invalid), skipped)
                 if len(rows.labels):
                     yield rows
-                accepted_before += record_batch.num_rows
-            # Rows rejected after the last batch (a block of nothing but wrong-width lines
-            # yields no batch): reported by the one stripe that the next batch would be.
-            if batches % fslice.stripes == fslice.stripe:
-                reject_wrong_width(range(seen_invalid, len(invalid)))
+            # Lines rejected after the last block (one of nothing but wrong-width lines
+            # yields no batch).
+            reject_wrong_width(range(seen_invalid, len(invalid)))
         except (EOFError, OSError, zlib.error, pa.ArrowException) as e:
             # A truncated or corrupt file: what was read stands; the rest is named, not lost silently.
             reason = f"unreadable after its first {accepted_before} rows ({type(e).__name__}: {e})"
@@ -161,11 +183,29 @@ class LogStreamDataset(IterableDataset):
             log.error("%s: %s", fslice.path, reason)
             bad.record(fslice.path, None, reason)
             readable = False
+        self._check_bad_share(fslice, len(skipped), accepted_before + len(invalid), skipped, final=True)
         for kind, nth, reason in skipped:
             line, text = None, None
             if readable and len(bad.examples) < MAX_EXAMPLES:
                 line, text = self._locate(fslice, nth, wrong_width=kind == "width")
             bad.record(fslice.path, line, reason, text)
+
+    def _check_bad_share(self, fslice: FileSlice, bad: int, lines: int, skipped: list[tuple[str, int, str]],
+                         final: bool = False) -> None:
+        """Stop when more than ``max_bad_fraction`` of the lines read so far (and at least
+        ``_TOLERATED_BAD_LINES``) are bad: the file is not what this format reads."""
+        if self.max_bad_fraction is None or bad <= max(self.max_bad_fraction * lines, _TOLERATED_BAD_LINES):
+            return
+        examples = []
+        for kind, nth, reason in skipped[:3]:
+            line, text = self._locate(fslice, nth, wrong_width=kind == "width")
+            examples.append(str(BadLineError(fslice.path, line, reason, text)))
+        index = next((f for f in self.files if f.path == fslice.path), None)
+        hint = format_hint(index.head if index is not None else b"", type(self.format).__name__)
+        raise TooManyBadLinesError(
+            f"{fslice.path}: {bad} of the {lines} lines read {'' if final else 'so far '}are bad "
+            f"({bad / max(lines, 1):.1%}), more than max_bad_fraction={self.max_bad_fraction}; first: "
+            + "; ".join(examples) + (f". {hint}" if hint else ""))
 
     def _width_reason(self, text: bytes) -> str:
         fields = text.count(self.format.delimiter) + 1 if text else 0
@@ -176,15 +216,44 @@ class LogStreamDataset(IterableDataset):
 
         For formats without lines (Parquet), the row number in the file."""
         if not self.format.line_based:
-            return nth + 1, None
+            return fslice.first + nth + 1, None
         width = self.format.num_fields
         delimiter = self.format.delimiter
-        header = self.format.header_lines
-        lines = (
-            (n, line) for n, line in iter_lines(fslice)
-            if n > header and (line.count(delimiter) + 1 != width) == wrong_width
-        )
+        lines = ((n, line) for n, line in iter_lines(fslice) if (line.count(delimiter) + 1 != width) == wrong_width)
         return next(itertools.islice(lines, nth, None), (None, None))
+
+    def describe_empty(self, bad_line_counts: Mapping[str, int]) -> str:
+        """Why this rank got no example this epoch, for the error that says so."""
+        total = sum(f.records for f in self.files)
+        paths = [f.path for f in self.files]
+        if total == 0:
+            return f"the files hold no record: {paths}"
+        mine = sum(b - a for a, b in rank_intervals(total, self.rank, self.world_size, self.epoch, self.seed,
+                                                     self.rotate))
+        if mine == 0:
+            return (f"rank {self.rank} has no record to read: the files hold {total} records for "
+                    f"{self.world_size} ranks: {paths}")
+        bad = sum(bad_line_counts.values())
+        if bad:
+            hints = [f"{f.path}: {hint}" for f in self.files if f.path in bad_line_counts
+                     and (hint := format_hint(f.head, type(self.format).__name__))]
+            return (f"all {bad} lines this rank read were bad ({dict(bad_line_counts)}); "
+                    + (" ".join(hints) if hints else f"set bad_lines='raise' to see the first, or check the format "
+                                                     f"of {paths}"))
+        return f"no example came out of {mine} records of {paths}"
+
+
+_TOLERATED_BAD_LINES = 10  # so a small file with a stray bad line or two still trains
+
+
+class TooManyBadLinesError(BadLineError):
+    """A file whose share of bad lines says it is not what the reader expects."""
+
+
+def index_log_files(paths: Sequence[str], log_format: LogFormat, cache_dir: str | None = None) -> list[FileIndex]:
+    """The index of every file, checked against the format (a header it expects)."""
+    check = getattr(log_format, "check_file", None)
+    return index_files(paths, log_format.header_lines, not log_format.line_based, cache_dir, check)
 
 
 def _take(pending: list[DecodedRows], n: int) -> tuple[DecodedRows, list[DecodedRows]]:

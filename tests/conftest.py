@@ -12,6 +12,15 @@ CRITEO_SAMPLE = SHARED_DATA / "criteo_kaggle_sample"
 logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def row_index_cache(tmp_path_factory):
+    """The record counts of the files tests write are cached in the test run's own
+    directory (processes the tests start inherit it), not in the user's home."""
+    import os
+
+    os.environ["CTR_LIGHTNING_CACHE"] = str(tmp_path_factory.mktemp("ctr_lightning_cache"))
+
+
 @dataclass(frozen=True)
 class CriteoSample:
     """Two Criteo-layout files of 4,584 and 1,999 rows: the real Kaggle samples, or

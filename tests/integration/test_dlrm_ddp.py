@@ -14,7 +14,7 @@ from ctr_lightning.strategies import KStepAdamStrategy
 
 world, data_dir, sharding, sparse_sync = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 pl.seed_everything(0)
-dm = SyntheticCriteoDataModule(data_dir=data_dir, train_rows=60_000, val_rows=20_000, max_cardinality=20_000,
+dm = SyntheticCriteoDataModule(data_dir=data_dir, train_rows=36_000, val_rows=12_000, max_cardinality=20_000,
                                batch_size=512 // world)
 model = DLRMModule(embedding_dim=8, num_embeddings=20_000, dense_arch_layer_sizes=[16], over_arch_layer_sizes=[32, 1],
                    learning_rate=3e-3, sparse_learning_rate=0.02, sharding=sharding,
@@ -62,7 +62,7 @@ def _as_global_batches(dm: SyntheticCriteoDataModule, out_dir: Path, rank_batch:
 
 @pytest.mark.slow
 def test_two_cpu_processes_train_as_well_as_one(tmp_path, run_ranks):
-    dm = SyntheticCriteoDataModule(data_dir=str(tmp_path / "two"), train_rows=60_000, val_rows=20_000,
+    dm = SyntheticCriteoDataModule(data_dir=str(tmp_path / "two"), train_rows=36_000, val_rows=12_000,
                                    max_cardinality=20_000)
     dm.prepare_data()
     # AUC at this length moves by ~0.015 with the order of the examples, so the single
@@ -80,4 +80,4 @@ def test_two_cpu_processes_train_as_well_as_one(tmp_path, run_ranks):
     assert replicas[0]["auc"] == replicas[1]["auc"]
     assert abs(replicas[0]["auc"] - one["auc"]) < 0.01, (one, replicas)
     # A merge after every 4th step, when the next step starts.
-    assert replicas[0]["table_merges"] == (replicas[0]["steps"] - 1) // 4 > 20
+    assert replicas[0]["table_merges"] == (replicas[0]["steps"] - 1) // 4 > 10

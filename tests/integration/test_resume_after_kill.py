@@ -15,7 +15,7 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, EVERY, KILL_AT = 120, 20, 70  # the last checkpoint before the kill is step 60
+STEPS, EVERY, KILL_AT = 60, 10, 35  # the last checkpoint before the kill is step 30
 
 KILLER = """
 import os, signal
@@ -106,7 +106,7 @@ def test_python_api_resume_after_sigkill_is_bit_exact(tmp_path, killer):
     assert full.returncode == 0, full.stderr[-3000:]
     killed = run(tmp_path / "killed", KILL_AT, "fresh")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    assert torch.load(tmp_path / "killed" / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 60
+    assert torch.load(tmp_path / "killed" / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == KILL_AT // EVERY * EVERY
     assert any((tmp_path / "killed" / "ssd").rglob("*.rows")), "the SSD tier was never used"
     resumed = run(tmp_path / "killed", 0, "resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -1,0 +1,176 @@
+"""How many records each log file holds, and where in it every 65,536th one starts.
+
+Shards are cut by records, not bytes, so every (rank, worker) reads the same number of
+examples whatever the files look like. The count costs one pass over a text file (or its
+Parquet footer alone); it is kept in a small cache keyed by the file's path, size and
+modification time, so later runs and the other ranks of a node read it instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.core import url_to_fs
+from fsspec.utils import infer_compression
+
+from ctr_lightning.datamodules.bad_lines import BadLineError
+from ctr_lightning.datamodules.format_hints import format_hint
+from ctr_lightning.datamodules.sources import MARK_EVERY, SmallReads
+
+log = logging.getLogger(__name__)
+
+_READ = 1 << 20
+_HEAD = 1024  # bytes kept from the top of each file
+_VERSION = 2
+
+
+@dataclass(frozen=True)
+class FileIndex:
+    """The records of one file: lines after the header, or Parquet rows.
+
+    ``marks[i]`` is the byte offset where record ``i * MARK_EVERY`` starts, for plain
+    (uncompressed) text; compressed files are read from their start, Parquet files by
+    row group (``groups``: rows per row group).
+
+    Example::
+
+        index = build_file_index("day_0.tsv", header_lines=0)
+        index.records, index.marks[:2]     # 45_840_617, (0, 13_377_024)
+    """
+
+    path: str
+    records: int
+    kind: str  # "text", "compressed" or "parquet"
+    header_lines: int = 0
+    marks: tuple[int, ...] = ()
+    groups: tuple[int, ...] = ()
+    head: bytes = b""  # the file's first bytes (decompressed), to check a header or tell formats apart
+
+
+def build_file_index(path: str, header_lines: int = 0, columnar: bool = False) -> FileIndex:
+    """Count the records of ``path`` (one pass over a text file, the footer of a Parquet one)."""
+    if columnar:
+        with fsspec.open(path, "rb") as f:
+            head = f.read(_HEAD)
+            f.seek(0)
+            try:
+                metadata = pq.ParquetFile(f).metadata
+            except (pa.ArrowInvalid, OSError) as e:
+                hint = format_hint(head, "ParquetFormat")
+                raise BadLineError(path, None, f"not a Parquet file ({e})" + (f". {hint}" if hint else "")) from e
+            groups = tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))
+        return FileIndex(path, sum(groups), "parquet", groups=groups, head=head)
+    compressed = infer_compression(path) is not None
+    # In the reader's own pieces: a stream that breaks off then ends at the same byte.
+    with SmallReads(fsspec.open(path, "rb", compression="infer").open()) as f:
+        records, marks, head = _count_lines(f, header_lines, keep_marks=not compressed)
+    return FileIndex(path, records, "compressed" if compressed else "text", header_lines, tuple(marks), head=head)
+
+
+def _count_lines(f, header_lines: int, keep_marks: bool) -> tuple[int, list[int], bytes]:
+    """Records after ``header_lines`` lines, the byte offset of every MARK_EVERY-th, and the head.
+
+    A last line without its newline is a record; a stream that breaks off (a truncated
+    gzip file) ends the count where it breaks, as the reader's blocks will.
+    """
+    lines = 0  # newlines seen so far: line n starts right after the n-th newline
+    position = 0  # bytes read so far
+    marks: list[int] = [0] if keep_marks and header_lines == 0 else []
+    head = b""
+    last = b"\n"
+    while True:
+        data = f.read(_READ)
+        if not data:
+            break
+        if not head:
+            head = data[:_HEAD]
+        ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+        if keep_marks and len(ends):
+            records = lines + 1 + np.arange(len(ends)) - header_lines  # of the lines these newlines open
+            keep = (records >= 0) & (records % MARK_EVERY == 0)
+            marks.extend((position + ends[keep] + 1).tolist())
+        lines += len(ends)
+        position += len(data)
+        last = data[-1:]
+    records = max(lines + (1 if last != b"\n" else 0) - header_lines, 0)
+    # An offset at the very end of the file (after the last newline) starts no record.
+    return records, [m for m in marks if m < position], head
+
+
+class RowIndexCache:
+    """File indexes on disk, keyed by path, size and modification time (so a changed file is
+    counted again). Writes are atomic; an unwritable directory only costs the recount.
+
+    Example::
+
+        cache = RowIndexCache("~/.cache/ctr-lightning/row_index")
+        index = cache.get("day_0.tsv", header_lines=0, columnar=False)
+    """
+
+    def __init__(self, directory: str | os.PathLike | None) -> None:
+        self.directory = Path(directory).expanduser() if directory is not None else None
+
+    def _key(self, path: str, header_lines: int, columnar: bool) -> str | None:
+        try:
+            fs, root = url_to_fs(path)
+            info = fs.info(root)
+        except OSError:
+            return None
+        stamp = info.get("mtime") or info.get("LastModified") or info.get("ETag") or info.get("created")
+        text = json.dumps([_VERSION, path, info.get("size"), str(stamp), header_lines, columnar, MARK_EVERY])
+        return hashlib.sha1(text.encode()).hexdigest()
+
+    def get(self, path: str, header_lines: int = 0, columnar: bool = False) -> FileIndex:
+        key = self._key(path, header_lines, columnar) if self.directory is not None else None
+        if key is not None:
+            cached = self.directory / f"{key}.json"
+            try:
+                state = json.loads(cached.read_text())
+                return FileIndex(**{**state, "marks": tuple(state["marks"]), "groups": tuple(state["groups"]),
+                                    "head": bytes.fromhex(state["head"])})
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+        index = build_file_index(path, header_lines, columnar)
+        if key is not None:
+            self._put(key, index)
+        return index
+
+    def _put(self, key: str, index: FileIndex) -> None:
+        state = {**asdict(index), "head": index.head.hex()}
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / f"{key}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(state))
+            tmp.replace(self.directory / f"{key}.json")
+        except OSError as e:
+            log.warning("row index cache %s is not writable (%s); files are counted again next time",
+                        self.directory, e)
+
+
+def default_index_dir() -> str:
+    """``$CTR_LIGHTNING_CACHE/row_index``, by default under ``~/.cache/ctr-lightning``."""
+    return os.path.join(os.environ.get("CTR_LIGHTNING_CACHE", "~/.cache/ctr-lightning"), "row_index")
+
+
+def index_files(paths: Sequence[str], header_lines: int = 0, columnar: bool = False,
+                cache_dir: str | None = None,
+                check: Callable[[FileIndex], None] | None = None) -> list[FileIndex]:
+    """The index of every file, from the cache where it holds one; ``check`` sees each."""
+    cache = RowIndexCache(cache_dir)
+    out = []
+    for path in paths:
+        index = cache.get(path, header_lines, columnar)
+        if check is not None:
+            check(index)
+        out.append(index)
+    return out
