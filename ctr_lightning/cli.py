@@ -17,9 +17,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from ctr_lightning.datamodules import (
     AvazuDataModule,
     CriteoDataModule,
-    LogDataModule,
     ParquetDataModule,
     SyntheticCriteoDataModule,
+    SyntheticStreamDataModule,
 )
 from ctr_lightning.models import DLRMModule
 
@@ -87,7 +87,8 @@ def continue_last_run(config: Any) -> None:
 def _datamodule_help() -> str:
     lines = ["DataModules (pick with --data CLASS or a config's data.class_path, then set --data.ARG VALUE;"
              " --data.help CLASS shows types and defaults):"]
-    for cls in (CriteoDataModule, SyntheticCriteoDataModule, AvazuDataModule, ParquetDataModule):
+    for cls in (CriteoDataModule, SyntheticCriteoDataModule, AvazuDataModule, ParquetDataModule,
+                SyntheticStreamDataModule):
         lines.append(f"  {cls.__name__}: " + ", ".join(f"--data.{a}" for a in _init_arguments(cls)))
     return "\n".join(lines)
 
@@ -120,7 +121,7 @@ def main(args: list[str] | None = None) -> None:
     logging.root.setLevel(logging.WARNING)
     CTRLightningCLI(
         DLRMModule,
-        LogDataModule,
+        LightningDataModule,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         args=args,

@@ -6,6 +6,7 @@ from ctr_lightning.datamodules.criteo import CriteoDataModule, CriteoFormat
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
 from ctr_lightning.datamodules.parquet import ParquetDataModule, ParquetFormat
 from ctr_lightning.datamodules.synthetic_datamodule import SyntheticCriteoDataModule
+from ctr_lightning.datamodules.synthetic_stream import SyntheticStreamDataModule
 from ctr_lightning.datamodules.synthetic_criteo import (
     SyntheticCriteo,
     SyntheticCriteoSpec,
@@ -24,5 +25,6 @@ __all__ = [
     "SyntheticCriteo",
     "SyntheticCriteoDataModule",
     "SyntheticCriteoSpec",
+    "SyntheticStreamDataModule",
     "write_synthetic_criteo",
 ]

@@ -3,6 +3,7 @@
 from ctr_lightning.callbacks.data_quality import BadLineMonitor
 from ctr_lightning.callbacks.working_set_prefetch import WorkingSetPrefetch
 from ctr_lightning.callbacks.run_summary import RunSummary
+from ctr_lightning.callbacks.storage_monitor import StorageMonitor
 from ctr_lightning.callbacks.throughput import ExamplesPerSecond
 
-__all__ = ["BadLineMonitor", "ExamplesPerSecond", "RunSummary", "WorkingSetPrefetch"]
+__all__ = ["BadLineMonitor", "ExamplesPerSecond", "RunSummary", "StorageMonitor", "WorkingSetPrefetch"]

@@ -62,6 +62,11 @@ class TableEngine(ABC):
     def tier_stats(self) -> dict[str, int]:
         """Cumulative counters of this rank's tiers and read-ahead."""
 
+    @abstractmethod
+    def storage_stats(self) -> dict[str, int]:
+        """What this rank's tiers hold now: rows and bytes on SSD, DRAM bytes (see
+        :meth:`TierStack.storage_stats`)."""
+
     def comm_bytes(self) -> int:
         """Bytes this rank has sent to other ranks (0 in one process)."""
         return 0

@@ -135,6 +135,10 @@ class KeyIndex:
     def __len__(self) -> int:
         return self._count
 
+    @property
+    def nbytes(self) -> int:
+        return 3 * self._keys.nbytes  # key, tag and slot side by side
+
     def lookup(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """Slot of each (table, id), -1 where absent."""
         out = np.empty(len(ids), dtype=np.int64)

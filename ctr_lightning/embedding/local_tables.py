@@ -122,11 +122,10 @@ class LocalTables(TableEngine):
         return self.groups[g].rows(local, ids.numpy().astype(np.int64, copy=False))
 
     def tier_stats(self) -> dict[str, int]:
-        total: dict[str, int] = {}
-        for group in self.groups:
-            for k, v in group.stats.items():
-                total[k] = total.get(k, 0) + v
-        return total
+        return _sum([group.stats for group in self.groups])
+
+    def storage_stats(self) -> dict[str, int]:
+        return _sum([group.storage_stats() for group in self.groups])
 
     def export(self) -> dict[str, TableState]:
         """Per table name: ``ids``, ``rows`` (``[n, dim + optimizer state]``) and ``steps``."""
@@ -163,3 +162,11 @@ class LocalTables(TableEngine):
                 rows.append(table_rows)
             steps = np.array([int(state[name]["steps"]) for name in group.names], dtype=np.int64)
             group.load(np.concatenate(tables), np.concatenate(ids), torch.cat(rows), steps)
+
+
+def _sum(dicts: list[dict[str, int]]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for d in dicts:
+        for k, v in d.items():
+            total[k] = total.get(k, 0) + v
+    return total

@@ -19,7 +19,7 @@ def _touch(last_used, uses, slots, clock):
 
 
 @numba.njit(cache=True, nogil=True)
-def _claim(slots, tables, ids, clock, table_code, slot_id, dirty, uses, needed_until, last_used):
+def _claim(slots, tables, ids, clock, table_code, slot_id, dirty, uses, needed_until, last_used, ssd_location):
     """The bookkeeping of rows entering ``slots``, in one pass."""
     for i in range(len(slots)):
         s = slots[i]
@@ -29,23 +29,31 @@ def _claim(slots, tables, ids, clock, table_code, slot_id, dirty, uses, needed_u
         uses[s] = 0
         needed_until[s] = -1
         last_used[s] = clock
+        ssd_location[s] = -1
 
 
 @dataclass
 class Rows:
-    """Rows leaving or entering a tier: which (table, id), their values, and whether dirty."""
+    """Rows leaving or entering a tier: which (table, id), their values, whether dirty, and
+    the SSD record each was last stored at (-1: none; see :class:`SsdLog`)."""
 
     tables: np.ndarray  # int64 table index per row
     ids: np.ndarray  # int64 feature id per row
     values: torch.Tensor  # [n, width]
     dirty: np.ndarray  # bool per row
+    locations: np.ndarray | None = None  # int64 per row; None: -1 for all
+
+    def __post_init__(self) -> None:
+        if self.locations is None:
+            self.locations = np.full(len(self.ids), -1, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def select(self, mask: np.ndarray) -> Rows:
         index = torch.from_numpy(np.flatnonzero(mask)).to(self.values.device)
-        return Rows(self.tables[mask], self.ids[mask], self.values.index_select(0, index), self.dirty[mask])
+        return Rows(self.tables[mask], self.ids[mask], self.values.index_select(0, index), self.dirty[mask],
+                    self.locations[mask])
 
 
 class RowCache:
@@ -95,6 +103,7 @@ class RowCache:
         self.uses = np.zeros(slots, dtype=np.int64)
         self.needed_until = np.full(slots, -1, dtype=np.int64)  # last upcoming batch that needs the row
         self.slot_mark = np.full(slots, -1, dtype=np.int32)  # scratch of KeyIndex.lookup_unique
+        self.ssd_location = np.full(slots, -1, dtype=np.int64)  # the SSD record the row was read from
         self.never_used = 0  # slots [never_used, len) were never handed out
         self.free = np.empty(0, dtype=np.int64)  # released slots, reused first
         self.index.clear()
@@ -107,6 +116,13 @@ class RowCache:
 
     def __len__(self) -> int:
         return int(self.occupancy.sum())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this tier holds: its rows' values and its bookkeeping (index included)."""
+        arrays = (self.table_code, self.slot_id, self.dirty, self.last_used, self.uses, self.needed_until,
+                  self.slot_mark, self.ssd_location, self.free)
+        return self.values.numel() * self.values.element_size() + sum(a.nbytes for a in arrays) + self.index.nbytes
 
     def lookup(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
         return self.index.lookup(tables, ids)
@@ -193,7 +209,14 @@ class RowCache:
         """Place rows (room made with :meth:`choose_victims` and :meth:`release`); overwrite those present."""
         slots = self.place(rows.tables, rows.ids, rows.dirty)
         self.values[torch.from_numpy(slots).to(self.device)] = rows.values.to(self.device)
+        self.ssd_location[slots] = rows.locations
         return slots
+
+    def relocate(self, tables: np.ndarray, ids: np.ndarray, locations: np.ndarray) -> None:
+        """Rows held here whose SSD copy moved to ``locations`` (an SSD log cleaning)."""
+        slots = self.lookup(tables, ids)
+        held = slots >= 0
+        self.ssd_location[slots[held]] = locations[held]
 
     def place(self, tables: np.ndarray, ids: np.ndarray, dirty: np.ndarray, absent: bool = False) -> np.ndarray:
         """Slots for these (table, id) pairs, taking free ones for those not here yet, with
@@ -210,7 +233,7 @@ class RowCache:
             fresh_tables, fresh_ids = tables[new], ids[new]
         self.index.insert(fresh_tables, fresh_ids, fresh)
         _claim(fresh, fresh_tables, fresh_ids, self.clock, self.table_code, self.slot_id, self.dirty, self.uses,
-               self.needed_until, self.last_used)
+               self.needed_until, self.last_used, self.ssd_location)
         self.occupancy += np.bincount(fresh_tables, minlength=len(self.occupancy))
         self.dirty[slots] |= dirty
         return slots
@@ -229,11 +252,12 @@ class RowCache:
         self.uses = np.concatenate([self.uses, np.zeros(pad, dtype=np.int64)])
         self.needed_until = np.concatenate([self.needed_until, np.full(pad, -1, dtype=np.int64)])
         self.slot_mark = np.concatenate([self.slot_mark, np.full(pad, -1, dtype=np.int32)])
+        self.ssd_location = np.concatenate([self.ssd_location, np.full(pad, -1, dtype=np.int64)])
 
     def _rows(self, slots: np.ndarray) -> Rows:
         index = torch.from_numpy(slots).to(self.device)
         return Rows(self.table_code[slots].astype(np.int64) - 1, self.slot_id[slots].copy(),
-                    self.values.index_select(0, index), self.dirty[slots].copy())
+                    self.values.index_select(0, index), self.dirty[slots].copy(), self.ssd_location[slots].copy())
 
     def entries(self) -> Rows:
         """Every row held, for checkpoints."""

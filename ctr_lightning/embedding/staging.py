@@ -21,6 +21,7 @@ class StagedChunk:
     tables: np.ndarray
     ids: np.ndarray
     tokens: np.ndarray
+    locations: np.ndarray  # the SSD record each was read from
     rows: np.ndarray  # float32 [n, width]
 
 
@@ -41,8 +42,8 @@ class StagedRows:
     Example::
 
         staged = StagedRows()
-        staged.put(StagedChunk(batch=7, tables=t, ids=i, tokens=tok, rows=r))   # prefetch thread
-        found, rows, stale = staged.take(tables, ids, current_tokens=store_tokens)     # training thread
+        staged.put(StagedChunk(batch=7, tables=t, ids=i, tokens=tok, locations=loc, rows=r))   # prefetch thread
+        found, rows, locations, stale = staged.take(tables, ids, current_tokens=store_tokens)  # training thread
         staged.release(7)
     """
 
@@ -53,6 +54,7 @@ class StagedRows:
         self._base = 0  # position of the buffers' first row; positions only grow
         self._end = 0  # position after the last row
         self._tokens = np.empty(0, dtype=np.int64)
+        self._locations = np.empty(0, dtype=np.int64)
         self._rows = np.empty((0, 0), dtype=np.float32)
 
     def put(self, chunk: StagedChunk) -> None:
@@ -70,6 +72,7 @@ class StagedRows:
             at = self._end - self._base
             self._rows[at : at + n] = chunk.rows
             self._tokens[at : at + n] = chunk.tokens
+            self._locations[at : at + n] = chunk.locations
             self._index.insert(chunk.tables, chunk.ids, np.arange(self._end, self._end + n, dtype=np.int64))
             self._chunks.append((chunk, self._end))
             self._end += n
@@ -85,14 +88,16 @@ class StagedRows:
         # At least twice what is held: the rows copied here are then paid for by as many
         # arrivals before the next compaction.
         if len(self._rows) >= 2 * (held + n) and self._rows.shape[1] == width:
-            rows, tokens = self._rows, self._tokens
+            rows, tokens, locations = self._rows, self._tokens, self._locations
         else:
             rows = np.empty((2 * (held + n), width), dtype=np.float32)
             tokens = np.empty(2 * (held + n), dtype=np.int64)
+            locations = np.empty(2 * (held + n), dtype=np.int64)
         if held:  # (the first chunk sets the width)
             rows[:held] = self._rows[kept]  # numpy copies overlapping slices safely
             tokens[:held] = self._tokens[kept]
-        self._rows, self._tokens, self._base = rows, tokens, live
+            locations[:held] = self._locations[kept]
+        self._rows, self._tokens, self._locations, self._base = rows, tokens, locations, live
 
     @property
     def _live(self) -> int:
@@ -104,13 +109,13 @@ class StagedRows:
 
     def take(self, tables: np.ndarray, ids: np.ndarray,
              current_tokens: Callable[[np.ndarray, np.ndarray], np.ndarray]
-             ) -> tuple[np.ndarray, torch.Tensor, int]:
-        """``(found mask, rows [found, width], stale)`` of the staged rows still current;
-        ``stale`` counts those whose SSD copy changed after they were read."""
+             ) -> tuple[np.ndarray, torch.Tensor, np.ndarray, int]:
+        """``(found mask, rows [found, width], locations [found], stale)`` of the staged rows
+        still current; ``stale`` counts those whose SSD copy changed after they were read."""
         self._absorb()
         found = np.zeros(len(ids), dtype=bool)
         if not self._chunks or not len(ids):
-            return found, torch.empty(0), 0
+            return found, torch.empty(0), np.empty(0, dtype=np.int64), 0
         positions = self._index.lookup(tables, ids)
         hit = np.flatnonzero(positions >= 0)
         stale = 0
@@ -122,7 +127,7 @@ class StagedRows:
         else:
             at = np.empty(0, dtype=np.int64)
         found[hit] = True
-        return found, torch.from_numpy(self._rows[at]), stale
+        return found, torch.from_numpy(self._rows[at]), self._locations[at], stale
 
     def release(self, batch: int) -> None:
         """Forget the rows read for batches up to ``batch``: they have run."""

@@ -29,6 +29,8 @@ class StorageConfig:
         host_rows / host_bytes: the DRAM cache below it.
         ssd_dir: directory for the SSD tier's files.
         eviction: ``"lru"`` or ``"lfu"``, for both caches.
+        ssd_segment_bytes: size of each file of the SSD log (tables with hashed ids); the
+            log is cleaned a file at a time.
 
     Example::
 
@@ -41,6 +43,7 @@ class StorageConfig:
     host_bytes: int | None = None
     ssd_dir: str | None = None
     eviction: Eviction = "lru"
+    ssd_segment_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         for name in ("device_rows", "device_bytes"):
@@ -51,6 +54,8 @@ class StorageConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"StorageConfig.{name} must be >= 0 or None, got {value}")
+        if self.ssd_segment_bytes < 1:
+            raise ValueError(f"StorageConfig.ssd_segment_bytes must be >= 1, got {self.ssd_segment_bytes}")
         if self.eviction not in ("lru", "lfu"):
             raise ValueError(f"StorageConfig.eviction must be 'lru' or 'lfu', got {self.eviction!r}")
 

@@ -44,6 +44,9 @@ class TableGroup:
     def stats(self) -> dict[str, int]:
         return {**self.tiers.stats, **self.working_set.stats}
 
+    def storage_stats(self) -> dict[str, int]:
+        return self.tiers.storage_stats()
+
     def move_device_tier(self, device: torch.device) -> None:
         self.tiers.move_device_tier(device)
         self.use_numba = self._setup.use_numba(device)

@@ -13,7 +13,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from ctr_lightning.embedding.initializer import initial_rows, initialize_slots, table_key
 from ctr_lightning.embedding.key_index import dedup
 from ctr_lightning.embedding.row_cache import RowCache, Rows
-from ctr_lightning.embedding.ssd import DirectSsdStore, SsdStore
+from ctr_lightning.embedding.ssd import DirectSsdStore
+from ctr_lightning.embedding.ssd_log import Relocated, SsdLog
 from ctr_lightning.embedding.table_setup import TableSetup, has_host_tier
 
 if TYPE_CHECKING:
@@ -56,13 +57,27 @@ class TierStack:
         self.host_tier = (RowCache(self.width, host_caps, lfu, "cpu", reserve_rows=reserve)
                           if has_host_tier(device_caps, host_caps) else None)
         ssd_dir = storage[0].ssd_dir
-        self.ssd: SsdStore | DirectSsdStore | None = None
+        self.ssd: SsdLog | DirectSsdStore | None = None
         if ssd_dir is not None and self.bounded.all():
             self.ssd = DirectSsdStore(ssd_dir, name, self.width, self.names, list(self.num_embeddings))
         elif ssd_dir is not None:
-            self.ssd = SsdStore(ssd_dir, name, self.width, self.names)
+            self.ssd = SsdLog(ssd_dir, name, self.width, self.names, segment_bytes=storage[0].ssd_segment_bytes)
         self.stats = {"device_hits": 0, "host_hits": 0, "ssd_hits": 0, "new_rows": 0, "ssd_stall_us": 0}
         self._pinned: list[np.ndarray] = []  # device slots of training batches whose backward is to come
+
+    def storage_stats(self) -> dict[str, int]:
+        """What the tiers hold now: rows and bytes on SSD (on disk and live), the SSD index's
+        bytes, and the bytes of the memory tiers (device tier counted when in host memory)."""
+        stats = {"ssd_rows": 0, "ssd_bytes": 0, "ssd_live_bytes": 0, "ssd_index_bytes": 0,
+                 "memory_rows": len(self.device_tier) + (len(self.host_tier) if self.host_tier is not None else 0),
+                 "dram_bytes": self.host_tier.nbytes if self.host_tier is not None else 0}
+        if self.device_tier.device.type == "cpu":
+            stats["dram_bytes"] += self.device_tier.nbytes
+        if self.ssd is not None:
+            stats.update(ssd_rows=len(self.ssd), ssd_bytes=self.ssd.disk_bytes, ssd_live_bytes=self.ssd.live_bytes,
+                         ssd_index_bytes=self.ssd.index_bytes)
+            stats["dram_bytes"] += self.ssd.index_bytes
+        return stats
 
     def check_ids(self, tables: np.ndarray, ids: np.ndarray) -> None:
         """An error naming the table and id of the first id its table cannot hold."""
@@ -98,27 +113,31 @@ class TierStack:
         """
         reading_ahead = working_set is not None and working_set.current_batch is not None
         rows = torch.empty(len(ids), self.width)
+        locations = np.full(len(ids), -1, dtype=np.int64)  # where each row's SSD copy lies
         filled = np.zeros(len(ids), dtype=bool)
         if self.host_tier is not None:
             hslots = self.host_tier.lookup(tables, ids)
             hit = hslots >= 0
             if hit.any():
                 rows[torch.from_numpy(np.flatnonzero(hit))] = self.host_tier.values[torch.from_numpy(hslots[hit])]
+                locations[hit] = self.host_tier.ssd_location[hslots[hit]]
                 filled |= hit
                 self.stats["host_hits"] += int(hit.sum())
         if self.ssd is not None and not filled.all():
             rest = np.flatnonzero(~filled)
             if reading_ahead:
-                found, data = working_set.take(tables[rest], ids[rest], self.ssd)
+                found, data, where = working_set.take(tables[rest], ids[rest], self.ssd)
                 if found.any():
                     rows[torch.from_numpy(rest[found])] = data
+                    locations[rest[found]] = where
                     filled[rest[found]] = True
                     rest = rest[~found]
             start = time.perf_counter()
-            found, data, _ = self.ssd.read(tables[rest], ids[rest])
+            found, data, where = self.ssd.read(tables[rest], ids[rest])
             self.stats["ssd_stall_us"] += int((time.perf_counter() - start) * 1e6)
             if found.any():
                 rows[torch.from_numpy(rest[found])] = torch.from_numpy(data)
+                locations[rest[found]] = where
                 filled[rest[found]] = True
                 self.stats["ssd_hits"] += int(found.sum())
         need = self.device_tier.room_needed(tables)
@@ -129,12 +148,13 @@ class TierStack:
         self.device_tier.release(victim_slots)
         clean = np.zeros(len(ids), dtype=bool)
         if filled.all():
-            slots = self.device_tier.insert(Rows(tables, ids, rows, clean))
+            slots = self.device_tier.insert(Rows(tables, ids, rows, clean, locations))
         else:
             slots = np.empty(len(ids), dtype=np.int64)
             old, new = np.flatnonzero(filled), np.flatnonzero(~filled)
             if len(old):
-                slots[old] = self.device_tier.insert(Rows(tables[old], ids[old], rows[torch.from_numpy(old)], clean[old]))
+                slots[old] = self.device_tier.insert(Rows(tables[old], ids[old], rows[torch.from_numpy(old)], clean[old],
+                                                          locations[old]))
             # Rows never stored anywhere start from the initializer, written in place.
             slots[new] = self.device_tier.place(tables[new], ids[new], clean[new], absent=True)
             self._initialize(slots[new], tables[new], ids[new])
@@ -168,14 +188,23 @@ class TierStack:
         victim_slots, victims = self.host_tier.choose_victims(need, np.empty(0, dtype=np.int64), self.names)
         self._write_ssd(victims.select(victims.dirty))
         self.host_tier.release(victim_slots)
-        self.host_tier.insert(Rows(rows.tables, rows.ids, rows.values.cpu(), np.ones(len(rows), dtype=bool)))
+        self.host_tier.insert(Rows(rows.tables, rows.ids, rows.values.cpu(), np.ones(len(rows), dtype=bool),
+                                   rows.locations))
 
     def _write_ssd(self, rows: Rows) -> None:
         if not len(rows):
             return
         if self.ssd is None:
             raise RuntimeError(f"tables {self.names}: rows must leave memory but no SSD tier is configured")
-        self.ssd.write(rows.tables, rows.ids, rows.values.cpu().numpy())
+        _, moved = self.ssd.write(rows.tables, rows.ids, rows.values.cpu().numpy(), rows.locations)
+        self._relocate(moved)
+
+    def _relocate(self, moved: Relocated) -> None:
+        """Rows whose SSD copy a cleaning moved: a copy held in memory keeps its location current."""
+        if len(moved.ids):
+            for tier in (self.device_tier, self.host_tier):
+                if tier is not None:
+                    tier.relocate(moved.tables, moved.ids, moved.locations)
 
     # -- rows held in memory only, for replicas -------------------------------------------
 
@@ -247,8 +276,8 @@ class TierStack:
             host = self.host_tier.entries()
             parts.append((host.tables, host.ids, host.values))
         if self.ssd is not None:
-            tables, ids, data = self.ssd.entries()
-            parts.append((tables, ids, torch.from_numpy(data)))
+            for tables, ids, data in self.ssd.entries():
+                parts.append((tables, ids, torch.from_numpy(data)))
         tables = np.concatenate([p[0] for p in parts])
         ids = np.concatenate([p[1] for p in parts])
         first, _ = dedup(tables, ids)  # first occurrence = freshest tier

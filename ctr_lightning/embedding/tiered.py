@@ -149,6 +149,11 @@ class TieredEmbeddingBagCollection(nn.Module):
         return self._setup.device
 
     @property
+    def ssd_directories(self) -> list[str]:
+        """The SSD tier's directories (each rank of a sharded collection uses ``<dir>/rank<r>``)."""
+        return sorted({s.ssd_dir for s in self._setup.storage.values() if s.ssd_dir is not None})
+
+    @property
     def sharding_plan(self) -> dict[str, TableSharding] | None:
         """Per table, how it is split over ranks; None when the collection is not sharded."""
         return self._built().sharding_plan
@@ -201,6 +206,12 @@ class TieredEmbeddingBagCollection(nn.Module):
         served from what the prefetcher read ahead, rows and bytes it read, and the
         microseconds training waited on SSD reads (``ssd_stall_us``)."""
         return self._built().tier_stats()
+
+    def storage_stats(self) -> dict[str, int]:
+        """What this rank's tiers hold now: ``ssd_rows``, ``ssd_bytes`` (the files on disk),
+        ``ssd_live_bytes``, ``ssd_index_bytes``, ``memory_rows`` and ``dram_bytes`` (memory
+        tiers, with their bookkeeping, and the SSD index)."""
+        return self._built().storage_stats()
 
     def comm_bytes(self) -> int:
         """Bytes this rank has sent to other ranks in the sharded all-to-alls (0 unsharded)."""

@@ -11,7 +11,8 @@ from ctr_lightning.embedding.key_index import KeyIndex
 from ctr_lightning.embedding.staging import StagedChunk, StagedRows
 
 if TYPE_CHECKING:
-    from ctr_lightning.embedding.ssd import DirectSsdStore, SsdStore
+    from ctr_lightning.embedding.ssd import DirectSsdStore
+    from ctr_lightning.embedding.ssd_log import SsdLog
     from ctr_lightning.embedding.tier_stack import TierStack
 
 
@@ -66,12 +67,12 @@ class WorkingSet:
         return self.upcoming.lookup(tables, ids) if len(self.upcoming) else np.full(len(ids), -1, dtype=np.int64)
 
     def take(self, tables: np.ndarray, ids: np.ndarray,
-             ssd: SsdStore | DirectSsdStore) -> tuple[np.ndarray, torch.Tensor]:
-        """``(found, rows)`` of these rows read ahead whose SSD copy is still current."""
-        found, rows, stale = self.staged.take(tables, ids, lambda t, i: ssd.locate(t, i)[1])
+             ssd: SsdLog | DirectSsdStore) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
+        """``(found, rows, locations)`` of these rows read ahead whose SSD copy is still current."""
+        found, rows, locations, stale = self.staged.take(tables, ids, ssd.tokens)
         self.stats["prefetch_stale"] += stale
         self.stats["prefetch_hits"] += int(found.sum())
-        return found, rows
+        return found, rows, locations
 
     def release(self, batch: int) -> None:
         """``batch`` has run: drop what was read ahead for it and its spared rows."""
@@ -107,18 +108,20 @@ class WorkingSet:
 
     # -- prefetch thread ---------------------------------------------------------------------
 
-    def stage(self, ssd: SsdStore | DirectSsdStore, tables: np.ndarray, ids: np.ndarray, batch: int) -> None:
+    def stage(self, ssd: SsdLog | DirectSsdStore, tables: np.ndarray, ids: np.ndarray, batch: int) -> None:
         """Read the SSD copies of these rows into DRAM for ``batch``."""
         if not len(ids):
             return
+        locations, tokens, pinned = ssd.locate(tables, ids)
         try:
-            records, tokens, fd = ssd.locate(tables, ids)
-            there = records >= 0
-            rows = ssd.read_located(records[there], fd)
+            there = np.flatnonzero(locations >= 0)
+            ok, rows = ssd.read_located(tables[there], ids[there], locations[there], pinned)
         except OSError:
-            # A compaction closed the file under the read: those rows come on demand.
-            self.stats["prefetch_failures"] += 1
+            self.stats["prefetch_failures"] += 1  # those rows come on demand
             return
-        self.staged.put(StagedChunk(batch, tables[there], ids[there], tokens[there], rows))
+        finally:
+            ssd.release(pinned)
+        there = there[ok]
+        self.staged.put(StagedChunk(batch, tables[there], ids[there], tokens[there], locations[there], rows))
         self.stats["prefetched_rows"] += len(rows)
         self.stats["prefetch_bytes"] += rows.nbytes

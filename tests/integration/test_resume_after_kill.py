@@ -107,7 +107,7 @@ def test_python_api_resume_after_sigkill_is_bit_exact(tmp_path, killer):
     killed = run(tmp_path / "killed", KILL_AT, "fresh")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert torch.load(tmp_path / "killed" / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == KILL_AT // EVERY * EVERY
-    assert any((tmp_path / "killed" / "ssd").rglob("*.rows")), "the SSD tier was never used"
+    assert any((tmp_path / "killed" / "ssd").rglob("*.seg")), "the SSD tier was never used"
     resumed = run(tmp_path / "killed", 0, "resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _assert_bit_equal(_final_state(tmp_path / "full" / "ckpt" / "last.ckpt"),

@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -48,13 +49,16 @@ print(f"RESULT budget={budget} growth={peak - start} ssd_file={ssd_bytes} ssd_ro
 @pytest.mark.slow
 def test_rss_growth_stays_within_host_budget_while_ssd_holds_10x(tmp_path):
     budget = 48 << 20
+    # glibc otherwise raises its mmap threshold after large frees and keeps a step's freed
+    # temporaries in the heap: an allocator policy, not memory the tables hold.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(128 << 10))
     result = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "ssd"), str(budget)],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, env=env)
     line = next((l for l in result.stdout.splitlines() if l.startswith("RESULT")), None)
     assert line, result.stdout + result.stderr[-3000:]
     values = dict(kv.split("=") for kv in line.split()[1:])
     growth, stored = int(values["growth"]), int(values["ssd_rows_bytes"])
     assert stored >= 10 * budget, line
     # The overhead is one batch's temporaries and the caches' bookkeeping, not the SSD's size.
-    assert growth <= budget + (40 << 20), line
+    assert growth <= budget + (24 << 20), line
     print(line)

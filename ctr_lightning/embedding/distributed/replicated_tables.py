@@ -213,6 +213,12 @@ class ReplicatedTables(TableEngine):
     def tier_stats(self) -> dict[str, int]:
         return self.shard.tier_stats()
 
+    def storage_stats(self) -> dict[str, int]:
+        replica = self.replica.storage_stats()
+        stats = self.shard.storage_stats()
+        stats["dram_bytes"] += replica["dram_bytes"]
+        return stats
+
     def export(self) -> dict[str, TableState]:
         """Collective: merges, then every rank gets the rows of all shards, per table."""
         self.merge()

@@ -230,6 +230,9 @@ class ShardedTables(TableEngine):
     def tier_stats(self) -> dict[str, int]:
         return self.local.tier_stats()
 
+    def storage_stats(self) -> dict[str, int]:
+        return self.local.storage_stats()
+
     def export(self) -> dict[str, TableState]:
         """Collective: every rank gets the rows of all shards, per table."""
         return gather_tables(self.local.export(), self.tables, self.process_group)

@@ -1,0 +1,228 @@
+"""Tables larger than this machine's RAM, trained end to end through the command users run.
+
+Runs ``ctr-lightning fit --config configs/out_of_core.yaml`` (a DLRM, dim 64, Adam, on an
+endless stream whose tables keep growing) until the rows on SSD reach ``--target`` (by
+default 1.5x the machine's RAM), with a callback that records every step's time, the
+process's resident memory and what the tiers hold. Then, side by side on this machine:
+
+- the same config with every row in memory, for as many steps as the first 10% of the
+  out-of-core run (it stops long before it would exceed RAM);
+- one table alone: a step whose ids are 50% new against one of the same size whose ids all
+  exist.
+
+and prints one table: memory (resident against the DRAM budget, index bytes per SSD row),
+speed (last 10% against first 10%, first 10% against all in memory), disk (SSD files
+against live rows, the longest step and where it went) and new rows.
+
+    python benchmarks/bench_out_of_core.py                       # the full run (tens of GB, an hour or more)
+    python benchmarks/bench_out_of_core.py --target 4GB          # a quick look
+Files go to bench_out/out_of_core (git-ignored) and are deleted at the end (--keep keeps them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _stats(collections) -> tuple[dict[str, int], dict[str, int]]:
+    storage: dict[str, int] = {}
+    counters: dict[str, int] = {}
+    for c in collections:
+        for k, v in c.storage_stats().items():
+            storage[k] = storage.get(k, 0) + v
+        for k, v in c.tier_stats().items():
+            counters[k] = counters.get(k, 0) + v
+    return storage, counters
+
+
+try:  # the recorder is loaded by the CLI (class_path bench_out_of_core.StepRecorder)
+    import lightning.pytorch as pl
+
+    from ctr_lightning.callbacks.storage_monitor import resident_bytes
+    from ctr_lightning.embedding import TieredEmbeddingBagCollection
+
+    class StepRecorder(pl.Callback):
+        """Writes one JSON line a step: its time, resident memory, and every ``every``
+        steps what the tiers hold and their cumulative time counters."""
+
+        def __init__(self, path: str, every: int = 10) -> None:
+            self.path, self.every = path, every
+            self._file = None
+            self._start = 0.0
+
+        def on_train_start(self, trainer, module):
+            self._collections = [m for m in module.modules() if isinstance(m, TieredEmbeddingBagCollection)]
+            self._file = open(self.path, "w")
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            record = {"step": trainer.global_step, "seconds": time.perf_counter() - self._start,
+                      "rss": resident_bytes()}
+            if trainer.global_step % self.every == 0:
+                record["storage"], record["counters"] = _stats(self._collections)
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+        def on_train_end(self, trainer, module):
+            self._file.close()
+except ImportError:  # pragma: no cover
+    pass
+
+
+def run_fit(work: Path, name: str, extra: list[str]) -> float:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "benchmarks"), PYTHONWARNINGS="ignore")
+    command = [sys.executable, "-m", "ctr_lightning.cli", "fit", "--config", str(ROOT / "configs/out_of_core.yaml"),
+               "--trainer.logger.init_args.save_dir", str(work / "runs"), "--trainer.logger.init_args.name", name,
+               "--trainer.enable_progress_bar", "false", *extra]
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{name} run failed:\n{result.stderr[-4000:]}")
+    return time.perf_counter() - start
+
+
+def load(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def new_row_steps(work: Path, rows: int, batch: int, steps: int) -> tuple[float, float]:
+    """Steps/s of one table (dim 64, Adam, a 200k-row device tier over SSD) with ids 50% new
+    against ids all stored, interleaved; the best of ``steps`` each."""
+    import torch
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+
+    table = EmbeddingBagConfig(name="t", embedding_dim=64, num_embeddings=rows * 4, feature_names=["f"])
+    ebc = TieredEmbeddingBagCollection([table], optimizer=SparseAdam(lr=0.01), storage=StorageConfig(
+        device_rows=200_000, host_rows=0, ssd_dir=str(work / "new_rows_ssd")))
+    rng = np.random.default_rng(0)
+
+    def step(ids: np.ndarray) -> float:
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.from_numpy(ids),
+                                                  lengths=torch.ones(len(ids), dtype=torch.int32))
+        start = time.perf_counter()
+        ebc(kjt).values().sum().backward()
+        return time.perf_counter() - start
+
+    for start in range(0, rows, batch):  # rows stored first: most on SSD, 200k in memory
+        step(np.arange(start, min(start + batch, rows), dtype=np.int64))
+    fresh = rows
+    best_new = best_old = float("inf")
+    for _ in range(steps):
+        old = rng.choice(rows, size=batch, replace=False).astype(np.int64)
+        best_old = min(best_old, step(old))
+        half = rng.choice(rows, size=batch // 2, replace=False).astype(np.int64)
+        ids = np.concatenate([half, np.arange(fresh, fresh + batch - batch // 2, dtype=np.int64)])
+        fresh += batch - batch // 2
+        best_new = min(best_new, step(rng.permutation(ids)))
+    return 1 / best_new, 1 / best_old
+
+
+def report(out_log: Path, mem_log: Path | None, new_rows: tuple[float, float] | None, budget: int) -> None:
+    steps = load(out_log)
+    seconds = np.array([s["seconds"] for s in steps])
+    warm = min(20, len(steps) // 10)
+    tenth = max(1, (len(steps) - warm) // 10)
+    first, last = seconds[warm : warm + tenth], seconds[-tenth:]
+    snapshots = [s for s in steps if "storage" in s]
+    final = snapshots[-1]["storage"]
+    rss = np.array([s["rss"] for s in steps])
+    print(f"\nout-of-core run: {len(steps)} steps, {final['ssd_rows'] / 1e6:.1f}M rows on SSD "
+          f"({final['ssd_live_bytes'] / 2**30:.1f} GiB live), {final['memory_rows'] / 1e6:.2f}M in DRAM")
+    rows = []
+    base = rss[warm]
+    rows.append(("memory: max resident / DRAM budget + overhead",
+                 f"{rss.max() / 2**30:.2f} GiB; budget {budget / 2**30:.2f} GiB; overhead "
+                 f"{(rss.max() - budget) / 2**30:.2f} GiB (at step {warm}: {base / 2**30:.2f} GiB)"))
+    per_row = max(s["storage"]["ssd_index_bytes"] / max(s["storage"]["ssd_rows"], 1) for s in snapshots[3:] or snapshots)
+    rows.append(("memory: SSD index bytes per SSD row (max over the run; target <= 16)", f"{per_row:.1f}"))
+    ratio = np.median(first) / np.median(last)
+    rows.append(("speed: steps/s last 10% / first 10% (target >= 0.7)",
+                 f"{ratio:.2f}x ({1 / np.median(last):.2f} vs {1 / np.median(first):.2f} steps/s, medians)"))
+    if mem_log is not None:
+        memory = np.array([s["seconds"] for s in load(mem_log)])[warm:]
+        rows.append(("speed: first 10% / all rows in memory (target >= 0.7)",
+                     f"{np.median(memory) / np.median(first):.2f}x ({1 / np.median(first):.2f} vs "
+                     f"{1 / np.median(memory):.2f} steps/s)"))
+    disk = max(s["storage"]["ssd_bytes"] / max(s["storage"]["ssd_live_bytes"], 1) for s in snapshots[3:] or snapshots)
+    rows.append(("disk: SSD files / live rows (max over the run; target <= 1.5)", f"{disk:.2f}x"))
+    worst = int(np.argmax(seconds[warm:])) + warm
+    around = [s for s in snapshots if s["step"] <= steps[worst]["step"]]
+    rows.append(("disk: longest step / median (target <= 5)",
+                 f"{seconds[worst] / np.median(seconds[warm:]):.1f}x: {seconds[worst]:.2f} s at step "
+                 f"{steps[worst]['step']} (median {np.median(seconds[warm:]):.2f} s)"))
+    if len(around) >= 2:
+        a, b = around[-2]["counters"], around[-1]["counters"]
+        parts = {k: (b.get(k, 0) - a.get(k, 0)) / 1e6 for k in ("ssd_stall_us", "ssd_write_us", "ssd_clean_us",
+                                                                 "index_grow_us")}
+        rows.append(("  where the steps around it went (s in SSD reads, writes, cleaning, index growth)",
+                     ", ".join(f"{k} {v:.2f}" for k, v in parts.items())))
+    if new_rows is not None:
+        rows.append(("new rows: 50%-new step / all-stored step (target >= 0.8)",
+                     f"{new_rows[0] / new_rows[1]:.2f}x ({new_rows[0]:.1f} vs {new_rows[1]:.1f} steps/s)"))
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="1.5xRAM", help="rows on SSD to stop at (bytes, '36GB', '1.5xRAM')")
+    parser.add_argument("--device-bytes", type=int, default=80_000_000, help="DRAM device tier per table (26 tables)")
+    parser.add_argument("--dir", default=str(ROOT / "bench_out" / "out_of_core"))
+    parser.add_argument("--new-rows-rows", type=int, default=2_000_000)
+    parser.add_argument("--keep", action="store_true", help="keep the SSD files and logs")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: memory,new_rows")
+    args = parser.parse_args()
+    work = Path(args.dir)
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    skip = set(filter(None, args.skip.split(",")))
+    try:
+        out_log = work / "out_of_core.jsonl"
+        seconds = run_fit(work, "out_of_core", [
+            f"--model.storage.device_bytes={args.device_bytes}", f"--model.storage.ssd_dir={work / 'ssd'}",
+            f"--trainer.callbacks={json.dumps(_callbacks(args.target, out_log))}"])
+        print(f"out-of-core run: {seconds / 60:.1f} min")
+        shutil.rmtree(work / "ssd", ignore_errors=True)
+        steps = len(load(out_log))
+        mem_log = None
+        if "memory" not in skip:
+            mem_log = work / "in_memory.jsonl"
+            tenth = max(1, (steps - min(20, steps // 10)) // 10) + min(20, steps // 10)
+            run_fit(work, "in_memory", ["--model.storage.device_bytes=null", "--model.storage.host_rows=null",
+                                        "--model.storage.ssd_dir=null", f"--trainer.max_steps={tenth}",
+                                        f"--trainer.callbacks={json.dumps(_callbacks(None, mem_log))}"])
+        new_rows = None if "new_rows" in skip else new_row_steps(work, args.new_rows_rows, 100_000, 5)
+        report(out_log, mem_log, new_rows, budget=26 * args.device_bytes)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _callbacks(target: str | None, log: Path) -> list[dict]:
+    return [{"class_path": "ctr_lightning.callbacks.ExamplesPerSecond", "init_args": {"window": 20}},
+            {"class_path": "ctr_lightning.callbacks.StorageMonitor",
+             "init_args": {"every_n_steps": 20, "stop_at_ssd_bytes": target}},
+            {"class_path": "bench_out_of_core.StepRecorder", "init_args": {"path": str(log)}}]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""What the tiered tables hold, on the progress bar and in TensorBoard, and a run's stop by size."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
+
+
+def physical_memory_bytes() -> int:
+    """The machine's RAM (``MemTotal``)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resident_bytes() -> int:
+    """This process's resident memory."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def parse_size(size: int | float | str) -> int:
+    """Bytes from ``12345``, ``"36GB"``, ``"512MiB"`` or ``"1.5xRAM"`` (times physical memory)."""
+    if isinstance(size, (int, float)):
+        return int(size)
+    text = size.strip().lower().replace(" ", "")
+    if text.endswith("xram"):
+        return int(float(text[:-4]) * physical_memory_bytes())
+    units = {"tib": 1 << 40, "gib": 1 << 30, "mib": 1 << 20, "kib": 1 << 10, "tb": 10**12, "gb": 10**9, "mb": 10**6,
+             "kb": 10**3, "b": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(float(text))
+
+
+class StorageMonitor(Callback):
+    """Logs what the LightningModule's tiered tables hold, and can stop the run at a size.
+
+    Every ``every_n_steps`` steps (summed over its collections, this rank):
+    ``storage/ssd_bytes`` (the SSD files), ``storage/ssd_live_bytes``, ``storage/rows``
+    (rows stored, all tiers), ``storage/dram_bytes`` (memory tiers with their bookkeeping
+    and the SSD index), ``storage/index_bytes_per_row`` (the SSD index per row stored
+    there) and ``storage/rss_bytes``; rows and SSD GiB also on the progress bar.
+
+    With ``stop_at_ssd_bytes`` (bytes, or a string such as ``"36GB"`` or ``"1.5xRAM"``),
+    training stops once the live rows on SSD reach it, and before training starts the SSD
+    directories are checked to hold that much with the log's garbage allowance
+    (``(1 + garbage) *`` the size, plus ``slack_bytes``): a run that could not finish
+    stops at once, naming the directory and the numbers.
+
+    Example::
+
+        Trainer(callbacks=[StorageMonitor(every_n_steps=20, stop_at_ssd_bytes="1.5xRAM")])
+    """
+
+    def __init__(self, every_n_steps: int = 20, stop_at_ssd_bytes: int | str | None = None,
+                 garbage: float = 0.3, slack_bytes: int | str = "2GiB") -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.stop_at = parse_size(stop_at_ssd_bytes) if stop_at_ssd_bytes is not None else None
+        self.garbage = garbage
+        self.slack = parse_size(slack_bytes)
+        self._collections: list[TieredEmbeddingBagCollection] = []
+        self.last: dict[str, float] = {}
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._collections = [m for m in pl_module.modules() if isinstance(m, TieredEmbeddingBagCollection)]
+        if not self._collections:
+            raise ValueError(f"StorageMonitor: {type(pl_module).__name__} has no TieredEmbeddingBagCollection")
+        if self.stop_at is None or stage != "fit":
+            return
+        directories = sorted({d for c in self._collections for d in c.ssd_directories})
+        if not directories:
+            raise ValueError(f"StorageMonitor(stop_at_ssd_bytes={self.stop_at}): the tables have no SSD tier "
+                             f"(StorageConfig.ssd_dir); they would have to hold every row in memory")
+        need = int(self.stop_at * (1 + self.garbage)) + self.slack
+        for directory in directories:
+            os.makedirs(directory, exist_ok=True)
+            free = shutil.disk_usage(directory).free
+            if free < need:
+                raise ValueError(
+                    f"SSD directory {directory} has {free / 2**30:.1f} GiB free, but this run stores "
+                    f"{self.stop_at / 2**30:.1f} GiB of rows there and needs about {need / 2**30:.1f} GiB with the "
+                    f"log's garbage ({self.garbage:.0%}) and {self.slack / 2**30:.1f} GiB of slack; free space, "
+                    f"point StorageConfig.ssd_dir elsewhere, or lower stop_at_ssd_bytes")
+        rank_zero_info(f"StorageMonitor: stops once {self.stop_at / 2**30:.1f} GiB of rows are on SSD "
+                       f"({', '.join(directories)}: about {need / 2**30:.1f} GiB of disk needed)")
+
+    def stats(self) -> dict[str, float]:
+        total: dict[str, int] = {}
+        for collection in self._collections:
+            for k, v in collection.storage_stats().items():
+                total[k] = total.get(k, 0) + v
+        rows = total["ssd_rows"] + total["memory_rows"]
+        return {"storage/ssd_bytes": float(total["ssd_bytes"]), "storage/ssd_live_bytes": float(total["ssd_live_bytes"]),
+                "storage/rows": float(rows), "storage/dram_bytes": float(total["dram_bytes"]),
+                "storage/index_bytes_per_row": total["ssd_index_bytes"] / max(total["ssd_rows"], 1),
+                "storage/rss_bytes": float(resident_bytes())}
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if trainer.global_step % self.every_n_steps:
+            return
+        self.last = self.stats()
+        for logger in trainer.loggers:
+            logger.log_metrics(self.last, step=trainer.global_step)
+        pl_module.log("rows_M", self.last["storage/rows"] / 1e6, prog_bar=True, on_step=True, on_epoch=False,
+                      logger=False)
+        pl_module.log("ssd_GiB", self.last["storage/ssd_bytes"] / 2**30, prog_bar=True, on_step=True, on_epoch=False,
+                      logger=False)
+        if self.stop_at is not None:
+            # Every rank checks its own shard; they stop together (a collective, every n steps).
+            reached = self.last["storage/ssd_live_bytes"] >= self.stop_at
+            if trainer.strategy.reduce_boolean_decision(reached, all=False):
+                rank_zero_info(f"StorageMonitor: {self.last['storage/ssd_live_bytes'] / 2**30:.1f} GiB of rows on "
+                               f"SSD, the run's size: stopping")
+                trainer.should_stop = True

@@ -1,0 +1,381 @@
+"""The SSD tier of tables with hashed ids: a log of segment files, cleaned a piece at a time."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ctr_lightning.embedding.location_index import MAX_RECORDS, LocationIndex
+from ctr_lightning.embedding.record_io import transfer_records
+
+_HEADER = 4  # float32 words before a record's row: id (int64), table (int32), unused (int32)
+
+
+@dataclass
+class _Segment:
+    number: int
+    path: Path
+    fd: int
+    generation: int  # counts the reuses of this number, so a location names one copy of a row, ever
+    written: int = 0  # records appended
+    live: int = 0  # records the index points at
+    pins: int = 0  # readers holding its descriptor (a prefetch thread)
+    retired: bool = False  # deleted from disk; its descriptor closes once unpinned
+
+
+@dataclass
+class Relocated:
+    """Rows a cleaning moved: memory tiers that hold a copy must learn the new record."""
+
+    tables: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    locations: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+
+
+class SsdLog:
+    """Rows of tables with hashed (any 64-bit) ids, as a log of fixed-size records.
+
+    A record is a header (id, table) and the row (weights and optimizer state). Writes
+    append to the newest segment file, ``segment_bytes`` each, in one ``pwrite`` a run,
+    and only then point the :class:`LocationIndex` at them, so a failed write leaves the
+    old copies in force. A record's location (segment number and slot) names one copy of
+    one row: a row rewritten or moved gets a new one.
+
+    Rewriting a row leaves its old record as garbage. After each write, while the files
+    hold more than ``1 + max_garbage`` times the live records (beyond the segment being
+    filled), the segment with the least live share is cleaned: its live records are
+    appended anew and the file deleted, at most twice the records just written per call,
+    so no step waits on a whole compaction, and the files stay within about
+    ``1 + max_garbage`` times the live rows. Moved rows are returned (:class:`Relocated`),
+    so memory tiers that hold a copy keep its location current.
+
+    The index holds 8 bytes an entry (10-15 a row); keys live only in the records' headers.
+
+    Example::
+
+        log = SsdLog("/nvme/run1", "dim64", width=192, table_names=["t0"])
+        locations, moved = log.write(tables, ids, rows, old=np.full(len(ids), -1))
+        found, rows, locations = log.read(tables, ids)
+    """
+
+    def __init__(self, directory: str | os.PathLike, name: str, width: int, table_names: list[str],
+                 segment_bytes: int = 256 << 20, max_garbage: float = 0.3) -> None:
+        self.directory = Path(directory)
+        self.name = name
+        self.width = width
+        self.table_names = table_names
+        self.record_words = _HEADER + width
+        self.record_bytes = self.record_words * 4
+        self.segment_records = max(1, segment_bytes // self.record_bytes)
+        self.max_garbage = max_garbage
+        self.index = LocationIndex()
+        self.segments: dict[int, _Segment] = {}
+        self._free_numbers: list[int] = []
+        self._generations: dict[int, int] = {}
+        self._active: _Segment | None = None
+        self._cleaning: tuple[int, int] | None = None  # (segment, next slot) of a cleaning under way
+        self.bytes_written = self.bytes_read = 0
+        self.records_moved = 0
+        self.segments_cleaned = 0
+        # Held while the layout changes and while a prefetch thread locates rows; reading
+        # located records needs no lock (their segments are pinned meanwhile).
+        self.lock = threading.Lock()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            for stale in self.directory.glob(f"{name}.*.seg"):  # a previous run's: this one starts empty
+                stale.unlink()
+        except OSError as e:
+            raise OSError(e.errno, f"SSD tier of tables {table_names}: cannot create files in "
+                                   f"{self.directory}: {e.strerror}") from e
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the segment files on disk (live and garbage records)."""
+        return sum(s.written for s in self.segments.values() if not s.retired) * self.record_bytes
+
+    @property
+    def live_bytes(self) -> int:
+        return len(self.index) * self.record_bytes
+
+    @property
+    def index_bytes(self) -> int:
+        """DRAM the index holds (the only per-row memory of this tier)."""
+        return self.index.nbytes
+
+    # -- locations -----------------------------------------------------------------------
+
+    def _split(self, locations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return locations // self.segment_records, locations % self.segment_records
+
+    def _fail(self, action: str, path: Path | str, err: int) -> OSError:
+        return OSError(err, f"SSD tier of tables {self.table_names}: {action} {path} failed: {os.strerror(err)}; "
+                            f"rows already written are intact")
+
+    def _new_segment(self) -> _Segment:
+        number = self._free_numbers.pop() if self._free_numbers else len(self.segments) + len(self._retiring())
+        while number in self.segments:
+            number += 1
+        if (number + 1) * self.segment_records - 1 > MAX_RECORDS:
+            raise OverflowError(f"SSD tier of tables {self.table_names}: more than {MAX_RECORDS} records in "
+                                f"{self.directory}; use larger segments or shard the tables over more ranks")
+        generation = self._generations.get(number, -1) + 1
+        self._generations[number] = generation
+        path = self.directory / f"{self.name}.{number:06d}.{generation}.seg"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as e:
+            raise self._fail("creating", path, e.errno) from e
+        segment = _Segment(number, path, fd, generation)
+        self.segments[number] = segment
+        return segment
+
+    def _retiring(self) -> list[_Segment]:
+        return [s for s in self.segments.values() if s.retired]
+
+    # -- reads ---------------------------------------------------------------------------
+
+    def _read_records(self, locations: np.ndarray, fds: dict[int, int]) -> np.ndarray:
+        """Whole records (header and row) at ``locations`` (any order), read in ascending runs."""
+        out = np.empty((len(locations), self.record_words), dtype=np.float32)
+        if not len(locations):
+            return out
+        order = np.argsort(locations, kind="stable")
+        segments, slots = self._split(locations[order])
+        buffer = np.empty_like(out)
+        cuts = np.flatnonzero(np.diff(segments)) + 1
+        for lo, hi in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [len(order)]])):
+            fd = fds[int(segments[lo])]
+            part = buffer[lo:hi]
+            if transfer_records(fd, part, slots[lo:hi], False) >= 0:
+                raise self._fail("reading", self.segments[int(segments[lo])].path, errno.EIO)
+        out[order] = buffer
+        self.bytes_read += out.nbytes
+        return out
+
+    @staticmethod
+    def _headers(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(tables, ids)`` written in the records' headers."""
+        head = np.ascontiguousarray(records[:, :_HEADER])
+        return head[:, 2].view(np.int32).astype(np.int64), head[:, :2].copy().view(np.int64)[:, 0]
+
+    def read(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(found mask, rows [found, width], locations [found])`` of the rows stored here."""
+        with self.lock:
+            locations, probes = self.index.lookup(tables, ids)
+            found = locations >= 0
+            fds = {n: s.fd for n, s in self.segments.items()}
+            records = self._read_records(locations[found], fds)
+            where = np.flatnonzero(found)
+            head_tables, head_ids = self._headers(records)
+            # Two keys may share the index's 32-bit hash: a record of another key means
+            # the next candidate (or none).
+            for k in np.flatnonzero((head_tables != tables[where]) | (head_ids != ids[where])):
+                i = where[k]
+                record, probe = int(locations[i]), int(probes[i])
+                while True:
+                    record, probe = self.index.next_candidate(int(tables[i]), int(ids[i]), probe)
+                    if record < 0:
+                        found[i] = False
+                        break
+                    candidate = self._read_records(np.array([record]), fds)
+                    t, d = self._headers(candidate)
+                    if t[0] == tables[i] and d[0] == ids[i]:
+                        records[k], locations[i] = candidate[0], record
+                        break
+            keep = found[where]
+            return found, np.ascontiguousarray(records[keep, _HEADER:]), locations[found]
+
+    def locate(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, int]]:
+        """``(locations, tokens, pinned)`` for a prefetch thread: each row's first candidate
+        record (-1: none), a token that changes whenever the row's stored copy does, and the
+        descriptors of their segments, pinned until :meth:`release`."""
+        with self.lock:
+            locations, _ = self.index.lookup(tables, ids)
+            there = locations >= 0
+            numbers = np.unique(locations[there] // self.segment_records)
+            pinned = {}
+            for n in numbers.tolist():
+                segment = self.segments[n]
+                segment.pins += 1
+                pinned[n] = segment.fd
+            generations = np.zeros(len(locations), dtype=np.int64)
+            if there.any():
+                lookup = np.array([self.segments[n].generation for n in numbers.tolist()], dtype=np.int64)
+                generations[there] = lookup[np.searchsorted(numbers, locations[there] // self.segment_records)]
+            return locations, np.where(there, locations | (generations << 32), -1), pinned
+
+    def tokens(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """The tokens :meth:`locate` would give, with no segment pinned."""
+        locations, tokens, pinned = self.locate(tables, ids)
+        self.release(pinned)
+        return tokens
+
+    def read_located(self, tables: np.ndarray, ids: np.ndarray, locations: np.ndarray,
+                     pinned: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+        """``(ok, rows)``: the rows at located records whose header names their key (another
+        key sharing the hash is left to a read on demand). No lock: a prefetch thread."""
+        records = self._read_records(locations, pinned)
+        head_tables, head_ids = self._headers(records)
+        ok = (head_tables == tables) & (head_ids == ids)
+        return ok, np.ascontiguousarray(records[ok, _HEADER:])
+
+    def release(self, pinned: dict[int, int]) -> None:
+        with self.lock:
+            for n in pinned:
+                segment = self.segments.get(n)
+                if segment is not None and segment.fd == pinned[n]:
+                    segment.pins -= 1
+            self._close_retired()
+
+    # -- writes --------------------------------------------------------------------------
+
+    def write(self, tables: np.ndarray, ids: np.ndarray, rows: np.ndarray,
+              old: np.ndarray) -> tuple[np.ndarray, Relocated]:
+        """Store rows (unique keys); ``old`` is each row's current record (-1: none here).
+        Returns their new locations, and the rows a cleaning moved meanwhile."""
+        if not len(ids):
+            return np.empty(0, dtype=np.int64), Relocated()
+        with self.lock:
+            locations = self._append(tables, ids, rows, old)
+            moved = self._clean(budget=2 * len(ids))
+            return locations, moved
+
+    def _append(self, tables: np.ndarray, ids: np.ndarray, rows: np.ndarray, old: np.ndarray) -> np.ndarray:
+        records = np.empty((len(ids), self.record_words), dtype=np.float32)
+        head = records[:, :_HEADER]
+        head.view(np.int64)[:, 0] = ids
+        head.view(np.int32)[:, 2] = tables
+        head.view(np.int32)[:, 3] = 0
+        records[:, _HEADER:] = rows
+        locations = np.empty(len(ids), dtype=np.int64)
+        start = 0
+        while start < len(ids):
+            segment = self._active
+            if segment is None or segment.written == self.segment_records:
+                segment = self._active = self._new_segment()
+            n = min(len(ids) - start, self.segment_records - segment.written)
+            slots = np.arange(segment.written, segment.written + n, dtype=np.int64)
+            if transfer_records(segment.fd, records[start : start + n], slots, True) >= 0:
+                raise self._fail("writing", segment.path, _errno_of(segment.fd, records[start], segment.written,
+                                                                    self.record_bytes))
+            segment.written += n
+            self.bytes_written += n * self.record_bytes
+            locations[start : start + n] = segment.number * self.segment_records + slots
+            start += n
+        # Only now do readers see the new copies.
+        old = np.asarray(old, dtype=np.int64)
+        self.index.put(tables, ids, old, locations)
+        had = old >= 0
+        if had.any():
+            numbers, counts = np.unique(old[had] // self.segment_records, return_counts=True)
+            for n, c in zip(numbers.tolist(), counts.tolist()):
+                self.segments[n].live -= c
+        numbers, counts = np.unique(locations // self.segment_records, return_counts=True)
+        for n, c in zip(numbers.tolist(), counts.tolist()):
+            self.segments[n].live += c
+        return locations
+
+    def _garbage_over(self) -> bool:
+        sealed = [s for s in self.segments.values() if not s.retired and s is not self._active]
+        written = sum(s.written for s in sealed)
+        live = sum(s.live for s in sealed)
+        return written > (1 + self.max_garbage) * live and written > 0
+
+    def _clean(self, budget: int) -> Relocated:
+        """Move up to ``budget`` live records out of the emptiest segments while garbage is over."""
+        moved_tables, moved_ids, moved_locations = [], [], []
+        while budget > 0 and (self._cleaning is not None or self._garbage_over()):
+            if self._cleaning is None:
+                sealed = [s for s in self.segments.values() if not s.retired and s is not self._active]
+                victim = min(sealed, key=lambda s: (s.live / max(s.written, 1), s.number))
+                self._cleaning = (victim.number, 0)
+            number, slot = self._cleaning
+            victim = self.segments[number]
+            take = min(budget, victim.written - slot, 1 << 16)
+            slots = np.arange(slot, slot + take, dtype=np.int64)
+            locations = number * self.segment_records + slots
+            records = self._read_records(locations, {number: victim.fd})
+            tables, ids = self._headers(records)
+            live = self.index.is_current(tables, ids, locations)
+            if live.any():
+                new = self._append(tables[live], ids[live], records[live, _HEADER:], locations[live])
+                moved_tables.append(tables[live])
+                moved_ids.append(ids[live])
+                moved_locations.append(new)
+                self.records_moved += int(live.sum())
+            budget -= max(take, 1)
+            if slot + take >= victim.written:
+                self._retire(victim)
+                self._cleaning = None
+            else:
+                self._cleaning = (number, slot + take)
+        if not moved_ids:
+            return Relocated()
+        return Relocated(np.concatenate(moved_tables), np.concatenate(moved_ids), np.concatenate(moved_locations))
+
+    def _retire(self, segment: _Segment) -> None:
+        segment.retired = True
+        segment.path.unlink(missing_ok=True)  # open descriptors keep reading what they pinned
+        self.segments_cleaned += 1
+        self._close_retired()
+
+    def _close_retired(self) -> None:
+        for segment in self._retiring():
+            if segment.pins == 0:
+                os.close(segment.fd)
+                del self.segments[segment.number]
+                self._free_numbers.append(segment.number)
+
+    # -- everything ------------------------------------------------------------------------
+
+    def entries(self, chunk_records: int = 1 << 16):
+        """Every stored ``(tables, ids, rows)``, a chunk at a time (a segment in pieces)."""
+        with self.lock:
+            numbers = sorted(n for n, s in self.segments.items() if not s.retired)
+        for number in numbers:
+            segment = self.segments[number]
+            for slot in range(0, segment.written, chunk_records):
+                with self.lock:
+                    slots = np.arange(slot, min(slot + chunk_records, segment.written), dtype=np.int64)
+                    locations = number * self.segment_records + slots
+                    records = self._read_records(locations, {number: segment.fd})
+                    tables, ids = self._headers(records)
+                    live = self.index.is_current(tables, ids, locations)
+                if live.any():
+                    yield tables[live], ids[live], np.ascontiguousarray(records[live, _HEADER:])
+
+    def clear(self) -> None:
+        with self.lock:
+            for segment in list(self.segments.values()):
+                if not segment.retired:
+                    self._retire(segment)
+            self._active = None
+            self._cleaning = None
+            self.index.clear()
+
+    def close(self) -> None:
+        for segment in list(self.segments.values()):
+            if segment.fd >= 0:
+                os.close(segment.fd)
+                segment.fd = -1
+        self.segments.clear()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _errno_of(fd: int, record: np.ndarray, slot: int, record_bytes: int) -> int:
+    """Repeat a failed write in Python to learn why (errno is not visible from numba)."""
+    try:
+        os.pwrite(fd, record.tobytes(), slot * record_bytes)
+        return errno.EIO
+    except OSError as e:
+        return e.errno
