@@ -11,6 +11,8 @@ half when 82% full: between 9.8 and 14.6 bytes an entry.
 
 from __future__ import annotations
 
+import time
+
 import numba
 import numpy as np
 
@@ -160,6 +162,7 @@ class LocationIndex:
     def __init__(self, capacity: int = 1024) -> None:
         self.entries = np.zeros(max(16, int(capacity / _MAX_LOAD) + 1), dtype=np.uint64)
         self.count = 0
+        self.grow_us = 0  # time spent growing the table
 
     def __len__(self) -> int:
         return self.count
@@ -208,9 +211,11 @@ class LocationIndex:
         size = len(self.entries)
         while count > _MAX_LOAD * size:
             size = int(size * _GROWTH) + 1
+        start = time.perf_counter()
         grown = np.zeros(size, dtype=np.uint64)
         _rehash(self.entries, grown)
         self.entries = grown
+        self.grow_us += int((time.perf_counter() - start) * 1e6)
 
 
 def _i64(a: np.ndarray) -> np.ndarray:

@@ -32,6 +32,22 @@ def _claim(slots, tables, ids, clock, table_code, slot_id, dirty, uses, needed_u
         ssd_location[s] = -1
 
 
+@numba.njit(cache=True, nogil=True)
+def _group_by_table(tables, num_tables):
+    """Positions of ``tables`` grouped by table (a counting sort) and each table's start."""
+    starts = np.zeros(num_tables + 1, dtype=np.int64)
+    for t in tables:
+        starts[t + 1] += 1
+    for t in range(num_tables):
+        starts[t + 1] += starts[t]
+    fill = starts[:-1].copy()
+    order = np.empty(len(tables), dtype=np.int64)
+    for i in range(len(tables)):
+        order[fill[tables[i]]] = i
+        fill[tables[i]] += 1
+    return order, starts
+
+
 @dataclass
 class Rows:
     """Rows leaving or entering a tier: which (table, id), their values, whether dirty, and
@@ -50,7 +66,15 @@ class Rows:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @staticmethod
+    def concat(parts: list[Rows]) -> Rows:
+        return Rows(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("tables", "ids")),
+                    torch.cat([p.values.cpu() for p in parts]),
+                    *(np.concatenate([getattr(p, f) for p in parts]) for f in ("dirty", "locations")))
+
     def select(self, mask: np.ndarray) -> Rows:
+        if mask.all():  # the common case of evictions in training: every victim is dirty
+            return self
         index = torch.from_numpy(np.flatnonzero(mask)).to(self.values.device)
         return Rows(self.tables[mask], self.ids[mask], self.values.index_select(0, index), self.dirty[mask],
                     self.locations[mask])
@@ -163,7 +187,7 @@ class RowCache:
         if not need.any():
             empty = np.empty(0, dtype=np.int64)
             return empty, self._rows(empty)
-        # Free a little more than asked, so the sort below runs every few batches, not every one.
+        # Free a little more than asked, so the selection below runs every few batches, not every one.
         wanted = np.where(need > 0, need + self.capacity // 32, 0)
         slot_table = self.slot_table
         candidate = slot_table >= 0
@@ -171,20 +195,30 @@ class RowCache:
         candidate[pinned] = False
         candidate &= need[np.maximum(slot_table, 0)] > 0
         slots = np.flatnonzero(candidate)
-        score = np.where(self.lfu[slot_table[slots]], self.uses[slots], self.last_used[slots])
-        order = np.lexsort((self.last_used[slots], score, slot_table[slots]))
-        slots, tables = slots[order], slot_table[slots[order]]
-        start = np.searchsorted(tables, np.arange(len(need)))
+        tables = slot_table[slots]
         available = np.bincount(tables, minlength=len(need))
         short = np.flatnonzero(available < need)
         if len(short):
             t = int(short[0])
+            # Rows pinned (held for this batch or a backward to come) plus the rows arriving.
+            touched = int(need[t] + self.capacity[t] - available[t])
             raise RuntimeError(
-                f"table {names[t]!r}: one batch touches more rows than its tier holds "
-                f"({int(self.capacity[t])} rows); raise the capacity or lower the batch size"
+                f"table {names[t]!r}: one batch touches more rows than its tier holds ({touched} rows "
+                f"in the batches in flight, capacity {int(self.capacity[t])} rows); raise the capacity "
+                f"or lower the batch size"
             )
+        # One key a row: least recently used first; under LFU, least used, then least recent.
+        recency = self.last_used[slots]
+        key = np.where(self.lfu[tables], (self.uses[slots] << 32) | (recency & 0xFFFFFFFF), recency)
+        order, starts = _group_by_table(tables, len(need))
         take = np.minimum(wanted, available)
-        victims = slots[np.arange(len(slots)) - start[tables] < take[tables]]
+        victims = []
+        for t in np.flatnonzero(take):  # the take[t] smallest keys of table t, in O(rows of t)
+            members = order[starts[t] : starts[t + 1]]
+            if take[t] < len(members):
+                members = members[np.argpartition(key[members], take[t] - 1)[: take[t]]]
+            victims.append(slots[members])
+        victims = np.sort(np.concatenate(victims)) if victims else np.empty(0, dtype=np.int64)
         return victims, self._rows(victims)
 
     def release(self, slots: np.ndarray) -> None:

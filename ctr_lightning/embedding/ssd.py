@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ctr_lightning.embedding.record_io import transfer_records
-from ctr_lightning.embedding.ssd_log import Relocated
+from ctr_lightning.embedding.ssd_log import NO_SSD_COUNTERS, Relocated
 
 class RecordFile:
     """A file of fixed-size float32 records, read and written in compiled pread/pwrite loops.
@@ -115,6 +115,10 @@ class DirectSsdStore(RecordFile):
     @property
     def live_bytes(self) -> int:
         return len(self) * self.record_bytes
+
+    def counters(self) -> dict[str, int]:
+        """As :meth:`SsdLog.counters`: nothing to clean or grow here."""
+        return dict(NO_SSD_COUNTERS)
 
     @property
     def index_bytes(self) -> int:

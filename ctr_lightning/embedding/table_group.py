@@ -42,7 +42,7 @@ class TableGroup:
 
     @property
     def stats(self) -> dict[str, int]:
-        return {**self.tiers.stats, **self.working_set.stats}
+        return {**self.tiers.stats, **self.tiers.counters(), **self.working_set.stats}
 
     def storage_stats(self) -> dict[str, int]:
         return self.tiers.storage_stats()
@@ -124,6 +124,7 @@ class TableGroup:
     def stage(self, tables: np.ndarray, ids: np.ndarray, batch: int) -> None:
         """Read the SSD copies of these rows into DRAM for ``batch`` (prefetch thread)."""
         if self.tiers.ssd is not None:
+            self.tiers.wait_for_write()  # rows evicted just before are found where they went
             self.working_set.stage(self.tiers.ssd, tables, ids, batch)
 
     def release(self, batch: int) -> None:

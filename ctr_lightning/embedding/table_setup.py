@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,12 +80,18 @@ class TableSetup:
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be 'auto', 'numba' or 'torch', got {kernel!r}")
         check_kernel_device(kernel, setup.device)
+        dram: dict[str, int] = {}
         for members in setup.groups(tables):
             group = [tables[i] for i in members]
-            setup.capacities(group, check=True)
-            ssd_dir = setup.storage[group[0].name].ssd_dir
-            if ssd_dir is not None:
-                _check_directory(ssd_dir, [t.name for t in group])
+            device, host = setup.capacities(group, check=True)
+            row_bytes = setup.row_width(group[0].embedding_dim) * 4
+            for t, dev, cap in zip(group, device, host):
+                in_dram = (dev or 0) * (setup.device.type == "cpu") + (cap or 0) * has_host_tier(device, host)
+                dram[t.name] = in_dram * row_bytes
+            storage = setup.storage[group[0].name]
+            if storage.ssd_dir is not None:
+                _check_directory(storage.ssd_dir, [t.name for t in group], storage.ssd_segment_bytes)
+        _check_dram(dram, module_name)
         return setup
 
     def row_width(self, dim: int) -> int:
@@ -146,13 +154,47 @@ def check_kernel_device(kernel: str, device: torch.device) -> None:
         raise ValueError(f"kernel='numba' needs the device tier in CPU memory, not on {device}")
 
 
-def _check_directory(path: str, tables: list[str]) -> None:
+def _check_directory(path: str, tables: list[str], segment_bytes: int) -> None:
+    """The SSD directory exists (or is made), is writable, and has room for a segment file."""
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
         raise OSError(e.errno, f"SSD tier of tables {tables}: cannot create files in {path}: {e.strerror}") from e
+    if os.statvfs(path).f_flag & os.ST_RDONLY:
+        raise OSError(errno.EROFS, f"SSD tier of tables {tables}: cannot create files in {path}: "
+                                   f"read-only file system")
     if not os.access(path, os.W_OK | os.X_OK):
         raise PermissionError(f"SSD tier of tables {tables}: cannot create files in {path}: not writable")
+    free = shutil.disk_usage(path).free
+    if free < segment_bytes:
+        raise OSError(errno.ENOSPC, f"SSD tier of tables {tables}: {path} has {free} bytes free, less than one "
+                                    f"segment file ({segment_bytes} bytes, StorageConfig.ssd_segment_bytes); "
+                                    f"free space there or choose another ssd_dir")
+
+
+def available_memory_bytes() -> int:
+    """Memory this machine can give without swapping (``MemAvailable``), or its RAM."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _check_dram(dram: Mapping[str, int], owner: str) -> None:
+    """Bounded DRAM tiers (in rows of weights and optimizer state) that would not fit in the
+    memory available now: an error naming the largest and the numbers."""
+    total = sum(dram.values())
+    available = available_memory_bytes()
+    if total > available:
+        largest = sorted(dram, key=dram.get, reverse=True)[:3]
+        shares = ", ".join(f"{name!r} {dram[name] / 2**30:.2f} GiB" for name in largest)
+        raise MemoryError(f"{owner}: the DRAM tiers of {len(dram)} tables are budgeted {total / 2**30:.2f} GiB "
+                          f"(largest: {shares}) but this machine has {available / 2**30:.2f} GiB of memory "
+                          f"available (MemAvailable); lower StorageConfig.device_bytes/host_bytes")
 
 
 def _per_table(value: Any, names: list[str], what: str, kind: type) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -14,7 +15,7 @@ from ctr_lightning.embedding.initializer import initial_rows, initialize_slots, 
 from ctr_lightning.embedding.key_index import dedup
 from ctr_lightning.embedding.row_cache import RowCache, Rows
 from ctr_lightning.embedding.ssd import DirectSsdStore
-from ctr_lightning.embedding.ssd_log import Relocated, SsdLog
+from ctr_lightning.embedding.ssd_log import NO_SSD_COUNTERS, Relocated, SsdLog
 from ctr_lightning.embedding.table_setup import TableSetup, has_host_tier
 
 if TYPE_CHECKING:
@@ -64,10 +65,24 @@ class TierStack:
             self.ssd = SsdLog(ssd_dir, name, self.width, self.names, segment_bytes=storage[0].ssd_segment_bytes)
         self.stats = {"device_hits": 0, "host_hits": 0, "ssd_hits": 0, "new_rows": 0, "ssd_stall_us": 0}
         self._pinned: list[np.ndarray] = []  # device slots of training batches whose backward is to come
+        self._evict_us = self._wait_us = 0
+        # Evicted rows are written to SSD by a thread while training goes on; anything that
+        # reads or writes the SSD tier first waits for that write (drain).
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: tuple[Future, Rows] | None = None
+        self._unwritten: Rows | None = None  # rows a failed write left here, still readable
+
+    def counters(self) -> dict[str, int]:
+        """Microseconds spent making room in the device tier (choosing victims, handing
+        them down), waiting for the SSD writes under way, and the SSD tier's own
+        :meth:`SsdLog.counters` (its writes run in a thread)."""
+        ssd = self.ssd.counters() if self.ssd is not None else NO_SSD_COUNTERS
+        return {"evict_us": self._evict_us, "ssd_wait_us": self._wait_us, **ssd}
 
     def storage_stats(self) -> dict[str, int]:
         """What the tiers hold now: rows and bytes on SSD (on disk and live), the SSD index's
         bytes, and the bytes of the memory tiers (device tier counted when in host memory)."""
+        self.drain()
         stats = {"ssd_rows": 0, "ssd_bytes": 0, "ssd_live_bytes": 0, "ssd_index_bytes": 0,
                  "memory_rows": len(self.device_tier) + (len(self.host_tier) if self.host_tier is not None else 0),
                  "dram_bytes": self.host_tier.nbytes if self.host_tier is not None else 0}
@@ -111,6 +126,7 @@ class TierStack:
         :meth:`pin` (and, with an active ``working_set``, rows an upcoming batch needs
         only as a last resort); rows read ahead are taken from it.
         """
+        self.drain()
         reading_ahead = working_set is not None and working_set.current_batch is not None
         rows = torch.empty(len(ids), self.width)
         locations = np.full(len(ids), -1, dtype=np.int64)  # where each row's SSD copy lies
@@ -140,12 +156,14 @@ class TierStack:
                 locations[rest[found]] = where
                 filled[rest[found]] = True
                 self.stats["ssd_hits"] += int(found.sum())
+        start = time.perf_counter()
         need = self.device_tier.room_needed(tables)
         pinned = np.concatenate([pinned, *self._pinned]) if self._pinned else pinned
         victim_slots, victims = self.device_tier.choose_victims(
             need, pinned, self.names, needed_after=working_set.current_batch if reading_ahead else None)
-        self._demote(victims.select(victims.dirty))
+        moved = self._demote(victims.select(victims.dirty))
         self.device_tier.release(victim_slots)
+        self._evict_us += int((time.perf_counter() - start) * 1e6)
         clean = np.zeros(len(ids), dtype=bool)
         if filled.all():
             slots = self.device_tier.insert(Rows(tables, ids, rows, clean, locations))
@@ -161,6 +179,9 @@ class TierStack:
             self.stats["new_rows"] += len(new)
         if reading_ahead:
             self.device_tier.needed_until[slots] = working_set.needed_until(tables, ids)
+        # Only now: the writes above may have moved the SSD copies of rows that were in
+        # flight then (read for this batch, or demoted to the host tier).
+        self._relocate(moved)
         return slots
 
     def _initial(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -177,30 +198,70 @@ class TierStack:
         rows[:, : self.dim] = torch.from_numpy(self._initial(tables, ids))
         values[torch.from_numpy(slots).to(values.device)] = rows.to(values.device)
 
-    def _demote(self, rows: Rows) -> None:
-        """Write dirty rows leaving the device tier into the host tier (or the SSD)."""
+    def _demote(self, rows: Rows) -> Relocated:
+        """Write dirty rows leaving the device tier into the host tier (or the SSD); returns
+        the rows whose SSD copy a cleaning moved meanwhile, for the caller to
+        :meth:`_relocate` once the rows in flight are in place."""
         if not len(rows):
-            return
+            return Relocated()
         if self.host_tier is None:
-            self._write_ssd(rows)
-            return
+            return self._write_ssd(rows, background=True)
         need = self.host_tier.room_needed(rows.tables)
         victim_slots, victims = self.host_tier.choose_victims(need, np.empty(0, dtype=np.int64), self.names)
-        self._write_ssd(victims.select(victims.dirty))
+        moved = self._write_ssd(victims.select(victims.dirty), background=True)
         self.host_tier.release(victim_slots)
         self.host_tier.insert(Rows(rows.tables, rows.ids, rows.values.cpu(), np.ones(len(rows), dtype=bool),
                                    rows.locations))
+        return moved
 
-    def _write_ssd(self, rows: Rows) -> None:
+    def _write_ssd(self, rows: Rows, background: bool = False) -> Relocated:
+        """Store rows on SSD; returns the rows whose SSD record moved. In the
+        ``background``, the write runs in a thread and its moves come with :meth:`drain`."""
         if not len(rows):
-            return
+            return Relocated()
         if self.ssd is None:
             raise RuntimeError(f"tables {self.names}: rows must leave memory but no SSD tier is configured")
-        _, moved = self.ssd.write(rows.tables, rows.ids, rows.values.cpu().numpy(), rows.locations)
+        if not background:
+            return self._store(rows)
+        self.drain()
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ctr-ssd-write")
+        self._pending = (self._writer.submit(self._store, rows), rows)
+        return Relocated()
+
+    def _store(self, rows: Rows) -> Relocated:
+        locations, moved = self.ssd.write(rows.tables, rows.ids, rows.values.cpu().numpy(), rows.locations)
+        # The device tier may hold a copy of a row the host tier wrote (the tiers are
+        # inclusive): that copy's SSD record is the new one now.
+        return Relocated.merged([Relocated(rows.tables, rows.ids, locations), moved])
+
+    def wait_for_write(self) -> None:
+        """Wait until the SSD write under way is done (any thread; its moves reach the
+        memory tiers with the training thread's next :meth:`drain`)."""
+        pending = self._pending
+        if pending is not None:
+            wait([pending[0]])
+
+    def drain(self) -> None:
+        """Wait for the SSD write under way; copies in memory learn where rows moved. A
+        failed write raises here, and its rows stay readable (:meth:`full_rows`, :meth:`export`)."""
+        if self._pending is None:
+            return
+        future, rows = self._pending
+        start = time.perf_counter()
+        try:
+            moved = future.result()
+        except BaseException:
+            self._unwritten = rows if self._unwritten is None else Rows.concat([self._unwritten, rows])
+            raise
+        finally:
+            # Only once it is done: until then a prefetch thread must see it under way.
+            self._pending = None
+            self._wait_us += int((time.perf_counter() - start) * 1e6)
         self._relocate(moved)
 
     def _relocate(self, moved: Relocated) -> None:
-        """Rows whose SSD copy a cleaning moved: a copy held in memory keeps its location current."""
+        """Rows whose SSD copy moved: a copy held in memory keeps its location current."""
         if len(moved.ids):
             for tier in (self.device_tier, self.host_tier):
                 if tier is not None:
@@ -230,6 +291,7 @@ class TierStack:
     def full_rows(self, tables: np.ndarray, ids: np.ndarray) -> torch.Tensor:
         """``[weights | optimizer state]`` of rows, freshest tier first; reads only."""
         self.check_ids(tables, ids)
+        self.drain()
         out = torch.zeros(len(ids), self.width)
         out[:, : self.dim] = torch.from_numpy(self._initial(tables, ids))
         todo = np.ones(len(ids), dtype=bool)
@@ -242,6 +304,15 @@ class TierStack:
                 out[torch.from_numpy(np.flatnonzero(hit))] = (
                     tier.values[torch.from_numpy(slots[hit]).to(tier.device)].cpu())
                 todo &= ~hit
+        if self._unwritten is not None and todo.any():
+            rest = np.flatnonzero(todo)
+            unwritten = self._unwritten
+            first, inverse = dedup(np.concatenate([unwritten.tables, tables[rest]]),
+                                   np.concatenate([unwritten.ids, ids[rest]]))
+            where = first[inverse[len(unwritten):]]  # a row of unwritten, or the query itself
+            hit = where < len(unwritten)
+            out[torch.from_numpy(rest[hit])] = unwritten.values[torch.from_numpy(where[hit])]
+            todo[rest[hit]] = False
         if self.ssd is not None and todo.any():
             rest = np.flatnonzero(todo)
             found, data, _ = self.ssd.read(tables[rest], ids[rest])
@@ -265,6 +336,7 @@ class TierStack:
     def export(self) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
         """``(tables, ids, rows)`` of every stored row, freshest copy first: device (dirty)
         over host over SSD."""
+        self.drain()
         parts: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
         device_rows = self.device_tier.entries()
         if self.host_tier is None and self.ssd is None:
@@ -272,6 +344,8 @@ class TierStack:
         else:
             dirty = device_rows.select(device_rows.dirty)
             parts.append((dirty.tables, dirty.ids, dirty.values.cpu()))
+        if self._unwritten is not None:
+            parts.append((self._unwritten.tables, self._unwritten.ids, self._unwritten.values))
         if self.host_tier is not None:
             host = self.host_tier.entries()
             parts.append((host.tables, host.ids, host.values))
@@ -286,6 +360,8 @@ class TierStack:
 
     def load(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
         """Replace every stored row by ``rows`` of (``tables``, ``ids``)."""
+        self.drain()
+        self._unwritten = None
         self.device_tier.clear()
         if self.host_tier is not None:
             self.host_tier.clear()
@@ -293,7 +369,7 @@ class TierStack:
             self.ssd.clear()
         loaded = Rows(tables, ids, rows, np.ones(len(ids), dtype=bool))
         if self.ssd is not None:
-            self._write_ssd(loaded)
+            self._write_ssd(loaded)  # the memory tiers are empty: no copy to relocate
         elif self.host_tier is not None:
             self.host_tier.insert(loaded)
         else:

@@ -203,8 +203,10 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def tier_stats(self) -> dict[str, int]:
         """Cumulative counts (this rank): rows served by each tier, rows first created, rows
-        served from what the prefetcher read ahead, rows and bytes it read, and the
-        microseconds training waited on SSD reads (``ssd_stall_us``)."""
+        served from what the prefetcher read ahead, rows and bytes it read; and microseconds:
+        waiting on SSD reads (``ssd_stall_us``), making room in the device tier
+        (``evict_us``), and within that the SSD tier's writing, cleaning and index growth
+        (``ssd_write_us``, ``ssd_clean_us``, ``index_grow_us``)."""
         return self._built().tier_stats()
 
     def storage_stats(self) -> dict[str, int]:
