@@ -24,11 +24,15 @@ _PARALLEL_READ_MIN = 2048  # records a thread, at least
 _pool: ThreadPoolExecutor | None = None
 
 
+_pool_lock = threading.Lock()
+
+
 def _read_pool() -> ThreadPoolExecutor:
     global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="ctr-ssd-read")
-    return _pool
+    with _pool_lock:  # the training and prefetch threads may both ask first
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="ctr-ssd-read")
+        return _pool
 
 
 # What an SSD tier's counters read before it has done anything (and always, without one).

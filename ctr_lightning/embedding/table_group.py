@@ -29,6 +29,7 @@ class TableGroup:
 
     def __init__(self, name: str, tables: list[EmbeddingBagConfig], setup: TableSetup) -> None:
         self.name = name
+        self.tables = list(tables)
         self.names = [t.name for t in tables]
         self.dim = tables[0].embedding_dim
         self.mode = "mean" if tables[0].pooling == PoolingType.MEAN else "sum"

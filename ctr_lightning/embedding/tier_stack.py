@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from ctr_lightning.embedding.initializer import initial_rows, initialize_slots, table_key
-from ctr_lightning.embedding.key_index import dedup
+from ctr_lightning.embedding.key_index import KeyIndex, dedup
 from ctr_lightning.embedding.row_cache import RowCache, Rows
 from ctr_lightning.embedding.ssd import DirectSsdStore
 from ctr_lightning.embedding.ssd_log import NO_SSD_COUNTERS, Relocated, SsdLog
@@ -71,6 +72,7 @@ class TierStack:
         self._writer: ThreadPoolExecutor | None = None
         self._pending: tuple[Future, Rows] | None = None
         self._unwritten: Rows | None = None  # rows a failed write left here, still readable
+        self._failed: BaseException | None = None  # that failure: no training (no writes) after it
 
     def counters(self) -> dict[str, int]:
         """Microseconds spent making room in the device tier (choosing victims, handing
@@ -127,6 +129,10 @@ class TierStack:
         only as a last resort); rows read ahead are taken from it.
         """
         self.drain()
+        if self._failed is not None:
+            raise RuntimeError(f"tables {self.names}: an SSD write failed earlier ({self._failed}); the rows it "
+                               f"held are still readable (rows(), a checkpoint), but training cannot go on: "
+                               f"resume from the last checkpoint") from self._failed
         reading_ahead = working_set is not None and working_set.current_batch is not None
         rows = torch.empty(len(ids), self.width)
         locations = np.full(len(ids), -1, dtype=np.int64)  # where each row's SSD copy lies
@@ -251,13 +257,20 @@ class TierStack:
         start = time.perf_counter()
         try:
             moved = future.result()
-        except BaseException:
-            self._unwritten = rows if self._unwritten is None else Rows.concat([self._unwritten, rows])
+        except BaseException as e:
+            if not future.done():
+                raise  # interrupted while waiting (Ctrl-C): the write goes on, still pending
+            # Cleared only once done: until then a prefetch thread must see it under way.
+            self._pending = None
+            # Kept readable, newest first; nothing writes after a failure, so no newer copy
+            # can appear on SSD and memory copies' stale SSD locations are never used.
+            rows = Rows(rows.tables, rows.ids, rows.values.cpu(), rows.dirty, rows.locations)
+            self._unwritten = rows if self._unwritten is None else Rows.concat([rows, self._unwritten])
+            self._failed = e
             raise
         finally:
-            # Only once it is done: until then a prefetch thread must see it under way.
-            self._pending = None
             self._wait_us += int((time.perf_counter() - start) * 1e6)
+        self._pending = None
         self._relocate(moved)
 
     def _relocate(self, moved: Relocated) -> None:
@@ -358,15 +371,47 @@ class TierStack:
         values = torch.cat([p[2] for p in parts])[torch.from_numpy(first)]
         return tables[first], ids[first], values
 
-    def load(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
-        """Replace every stored row by ``rows`` of (``tables``, ``ids``)."""
+    def export_chunks(self, chunk_rows: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
+        """Every stored row once, its freshest copy, a chunk at a time: the memory tiers'
+        rows first, then the SSD records no copy in memory shadows. Memory held: one chunk
+        and the keys of the memory tiers, not the table."""
         self.drain()
-        self._unwritten = None
+        shadow = KeyIndex()
+        parts: list[Rows] = []
+        device_rows = self.device_tier.entries()
+        parts.append(device_rows if self.host_tier is None and self.ssd is None
+                     else device_rows.select(device_rows.dirty))
+        if self._unwritten is not None:
+            parts.append(self._unwritten)
+        if self.host_tier is not None:
+            parts.append(self.host_tier.entries())
+        for part in parts:  # freshest first: a key already given is skipped after
+            fresh = shadow.lookup(part.tables, part.ids) < 0
+            tables, ids = part.tables[fresh], part.ids[fresh]
+            shadow.insert(tables, ids, np.zeros(len(ids), dtype=np.int64))
+            values = part.values.cpu()[torch.from_numpy(np.flatnonzero(fresh))]
+            for start in range(0, len(ids), chunk_rows):
+                yield tables[start : start + chunk_rows], ids[start : start + chunk_rows], values[
+                    start : start + chunk_rows]
+        if self.ssd is not None:
+            for tables, ids, data in self.ssd.entries(chunk_records=chunk_rows):
+                keep = shadow.lookup(tables, ids) < 0 if len(shadow) else np.ones(len(ids), dtype=bool)
+                if keep.any():
+                    yield tables[keep], ids[keep], torch.from_numpy(data[keep])
+
+    def begin_load(self) -> None:
+        """Forget every stored row, before :meth:`load_chunk` calls."""
+        self.drain()
+        self._unwritten = self._failed = None
         self.device_tier.clear()
         if self.host_tier is not None:
             self.host_tier.clear()
         if self.ssd is not None:
             self.ssd.clear()
+
+    def load_chunk(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
+        """Store rows (keys new since :meth:`begin_load`): on SSD when there is one, else in
+        memory."""
         loaded = Rows(tables, ids, rows, np.ones(len(ids), dtype=bool))
         if self.ssd is not None:
             self._write_ssd(loaded)  # the memory tiers are empty: no copy to relocate
@@ -374,3 +419,8 @@ class TierStack:
             self.host_tier.insert(loaded)
         else:
             self.device_tier.insert(loaded)
+
+    def load(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
+        """Replace every stored row by ``rows`` of (``tables``, ``ids``)."""
+        self.begin_load()
+        self.load_chunk(tables, ids, rows)

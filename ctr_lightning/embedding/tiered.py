@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from ctr_lightning.embedding.sharding_plan import SHARDING_KINDS, TableSharding,
 from ctr_lightning.embedding.storage_config import StorageConfig
 from ctr_lightning.embedding.table_checks import check_tables
 from ctr_lightning.embedding.table_setup import TableSetup, check_kernel_device
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest, load_tables, save_tables
 from ctr_lightning.strategies.merge_schedule import MergeSchedule
 
 DEFAULT_SYNC_EVERY = 16
@@ -238,6 +240,24 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._built().stop_prefetch()
 
     # -- checkpoints ---------------------------------------------------------------------
+
+    def save_tables(self, directory: str | os.PathLike) -> SnapshotManifest:
+        """Write every row to a new snapshot in ``directory``, streaming from every tier (one
+        chunk of rows in memory, not the table); the manifest, written last, completes it.
+        One process for now: sharded collections still checkpoint through the state dict."""
+        return save_tables(self._local_engine("save_tables"), directory)
+
+    def load_tables(self, directory: str | os.PathLike) -> SnapshotManifest:
+        """Replace every row by a snapshot's (checked against its manifest's checksums
+        first), streaming; the storage budgets may differ from the saving run's."""
+        return load_tables(self._local_engine("load_tables"), directory)
+
+    def _local_engine(self, what: str) -> LocalTables:
+        engine = self._built()
+        if not isinstance(engine, LocalTables):
+            raise NotImplementedError(f"{what}: snapshots of sharded collections are not built yet; "
+                                      f"{type(engine).__name__} checkpoints through its state dict")
+        return engine
 
     def get_extra_state(self) -> dict[str, Any]:
         # Per table, whatever the sharding: a checkpoint loads into any number of ranks.

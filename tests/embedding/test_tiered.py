@@ -228,7 +228,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
 # The file-size limit stands in for a full disk: writes past it fail as on a full SSD.
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, (96 << 20, 96 << 20))
+hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+resource.setrlimit(resource.RLIMIT_FSIZE, (96 << 20, hard))
 tables = [EmbeddingBagConfig(name="big", embedding_dim=64, num_embeddings=10**9, feature_names=["f"])]
 ebc = TieredEmbeddingBagCollection(tables, storage=StorageConfig(device_rows=4096, host_rows=4096,
                                    ssd_dir=sys.argv[1]), optimizer=SparseAdam(lr=0.1))
@@ -245,6 +246,11 @@ except OSError as e:
     rows = ebc.rows("big", ids)
     initial = TieredEmbeddingBagCollection(tables).rows("big", ids)
     print("LOST", int((rows == initial).all(dim=1).sum()), "OF", len(ids))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
+    try:  # no training after a failed write: its rows are only readable
+        ebc(kjt).values().sum().backward()
+    except RuntimeError as e:
+        print("STOPPED", e)
 """
 
 
@@ -257,6 +263,7 @@ def test_full_disk_is_a_clear_error_and_loses_nothing(tmp_path):
     assert "ERROR" in result.stdout, result.stdout + result.stderr[-2000:]
     assert "SSD tier of tables ['big']" in result.stdout and "rows already written are intact" in result.stdout
     assert "LOST 0 OF" in result.stdout, result.stdout
+    assert "STOPPED tables ['big']: an SSD write failed earlier" in result.stdout, result.stdout
 
 
 def test_lfu_eviction_and_planned_capacities_give_the_same_weights(tmp_path):

@@ -1,0 +1,157 @@
+"""A snapshot of tiered tables on disk: row files streamed from every tier, and a manifest
+written last, by an atomic rename, that makes it complete.
+
+Saving holds one chunk of rows and the keys of the memory tiers, never a whole table;
+loading checks every file's size and SHA-256 against the manifest first, then streams
+the rows into the tiers (onto SSD where there is one), keeping those ``keep`` selects, so
+a snapshot loads into other storage budgets and, through ``keep``, into another sharding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ctr_lightning.embedding.row_files import RowFileError, RowFileWriter, file_sha256, read_row_file
+
+MANIFEST = "manifest.json"
+FORMAT = "ctr-lightning-table-snapshot-1"
+
+
+@dataclass(frozen=True)
+class SnapshotFile:
+    """One row file: its name in the snapshot directory, size, SHA-256, the tables it
+    holds rows of (with their counts) and the width of its rows."""
+
+    name: str
+    bytes: int
+    sha256: str
+    width: int
+    rows: dict[str, int]
+
+
+@dataclass(frozen=True)
+class SnapshotManifest:
+    """What a complete snapshot holds: its files, the tables (name, dim, row width,
+    ``num_embeddings``), each table's optimizer step count, and who wrote it."""
+
+    format: str
+    world_size: int
+    tables: dict[str, dict[str, int]]
+    steps: dict[str, int]
+    files: list[SnapshotFile]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    @classmethod
+    def read(cls, directory: str | os.PathLike) -> SnapshotManifest:
+        path = Path(directory) / MANIFEST
+        if not path.exists():
+            raise FileNotFoundError(f"table snapshot {directory}: no {MANIFEST}, so it is incomplete (a save that "
+                                    f"did not finish) or not a snapshot")
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{path}: format {data.get('format')!r}, expected {FORMAT!r}")
+        return cls(format=data["format"], world_size=int(data["world_size"]), tables=data["tables"],
+                   steps={k: int(v) for k, v in data["steps"].items()},
+                   files=[SnapshotFile(**f) for f in data["files"]])
+
+
+def write_manifest(directory: str | os.PathLike, manifest: SnapshotManifest) -> None:
+    """Write the manifest durably and atomically: the snapshot is complete from here on."""
+    directory = Path(directory)
+    partial = directory / (MANIFEST + ".partial")
+    with open(partial, "w") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, directory / MANIFEST)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself
+    finally:
+        os.close(fd)
+
+
+def save_tables(engine, directory: str | os.PathLike, chunk_rows: int = 1 << 16) -> SnapshotManifest:
+    """Write every row of a :class:`LocalTables` engine to ``directory`` (one file per table
+    group), then the manifest. ``directory`` must not hold a snapshot already."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    if (directory / MANIFEST).exists():
+        raise FileExistsError(f"table snapshot {directory} exists already; snapshots are never overwritten")
+    files, steps, tables = [], {}, {}
+    for g, group in enumerate(engine.groups):
+        name = f"rank0-group{g}.rows"
+        with RowFileWriter(directory / name, group.names, group.width) as out:
+            for t, i, rows in group.tiers.export_chunks(chunk_rows):
+                out.write(t, i, rows)
+        files.append(SnapshotFile(name, out.size, out.sha256, group.width,
+                                  dict(zip(group.names, out.rows_per_table))))
+        for local, table in enumerate(group.names):
+            steps[table] = int(group.steps[local])
+            config = group.tables[local]
+            tables[table] = {"dim": config.embedding_dim, "width": group.width,
+                             "num_embeddings": config.num_embeddings}
+    manifest = SnapshotManifest(FORMAT, world_size=1, tables=tables, steps=steps, files=files)
+    write_manifest(directory, manifest)
+    return manifest
+
+
+def verify(directory: str | os.PathLike, manifest: SnapshotManifest) -> None:
+    """Every file of the manifest is there, of its size and SHA-256; else an error naming
+    the file and its tables."""
+    for f in manifest.files:
+        path = Path(directory) / f.name
+        tables = sorted(f.rows)
+        if not path.exists():
+            raise RowFileError(f"table snapshot {directory}: {f.name} (tables {tables}) is missing")
+        if path.stat().st_size != f.bytes:
+            raise RowFileError(f"table snapshot {directory}: {f.name} (tables {tables}) has {path.stat().st_size} "
+                               f"bytes, the manifest says {f.bytes}")
+        if file_sha256(path) != f.sha256:
+            raise RowFileError(f"table snapshot {directory}: {f.name} (tables {tables}) does not match its "
+                               f"checksum in the manifest")
+
+
+def load_tables(engine, directory: str | os.PathLike,
+                keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> SnapshotManifest:
+    """Replace every row of a :class:`LocalTables` engine by the snapshot's, streaming;
+    ``keep(table, ids)`` selects the rows this engine holds (a shard), default all."""
+    manifest = SnapshotManifest.read(directory)
+    missing = [t.name for t in engine.tables if t.name not in manifest.tables]
+    if missing:
+        raise KeyError(f"table snapshot {directory} has no rows for tables {missing}; it has "
+                       f"{sorted(manifest.tables)}")
+    for t in engine.tables:
+        g, _ = engine.table_of_name[t.name]
+        if manifest.tables[t.name]["width"] != engine.groups[g].width:
+            raise ValueError(f"table {t.name!r}: snapshot rows have width {manifest.tables[t.name]['width']} "
+                             f"(weights + optimizer state), this collection stores {engine.groups[g].width}")
+    verify(directory, manifest)
+    for group in engine.groups:
+        group.tiers.begin_load()
+    for f in manifest.files:
+        for names, tables, ids, rows in read_row_file(Path(directory) / f.name, f.width):
+            for code, name in enumerate(names):
+                if name not in engine.table_of_name:
+                    continue  # a table this collection does not have
+                mine = tables == code
+                table_ids, table_rows = ids[mine], rows[torch.from_numpy(np.flatnonzero(mine))]
+                if keep is not None:
+                    kept = keep(name, torch.from_numpy(table_ids)).numpy()
+                    table_ids, table_rows = table_ids[kept], table_rows[torch.from_numpy(np.flatnonzero(kept))]
+                g, local = engine.table_of_name[name]
+                if len(table_ids):
+                    engine.groups[g].tiers.load_chunk(np.full(len(table_ids), local, dtype=np.int64), table_ids,
+                                                      table_rows)
+    for group in engine.groups:
+        group.steps = np.array([manifest.steps[name] for name in group.names], dtype=np.int64)
+    return manifest

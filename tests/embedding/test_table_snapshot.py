@@ -1,0 +1,105 @@
+"""Table snapshots: streamed from every tier, checked by their manifest, loaded into any budgets."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+from ctr_lightning.embedding.row_files import RowFileError, read_row_file
+
+TABLES = [
+    EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=1000, feature_names=["f0"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=1000, feature_names=["f1", "f2"],
+                       pooling=PoolingType.MEAN),
+    EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=1000, feature_names=["f3"]),
+]
+
+
+def growing_workload(steps, batch=8, new_per_step=10, bounded=False):
+    """Hashed ids of a growing table: a hot head, ids seen before, and new ones."""
+    gen = torch.Generator().manual_seed(5)
+    for step in range(steps):
+        lengths = torch.randint(1, 3, (4 * batch,), generator=gen)
+        n = int(lengths.sum())
+        values = torch.randint(0, (step + 1) * new_per_step, (n,), generator=gen)
+        values[:new_per_step] = step * new_per_step + torch.arange(new_per_step)
+        values = values % 1000 if bounded else values * 104729 + 2**50
+        yield (KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1", "f2", "f3"], values=values, lengths=lengths),
+               torch.randn(batch, 28, generator=gen))
+
+
+def loss_of(kt, target):
+    return (kt.values() * target).sum() + 0.5 * (kt.values() ** 2).sum()
+
+
+def trained(storage, steps=120, id_space="hashed"):
+    ebc = TieredEmbeddingBagCollection(TABLES, storage=storage, optimizer=SparseAdam(lr=0.05), id_space=id_space)
+    keys = {t.name: set() for t in TABLES}
+    for kjt, target in growing_workload(steps, bounded=id_space == "bounded"):
+        for key, jt in kjt.to_dict().items():
+            keys[next(t.name for t in TABLES if key in t.feature_names)].update(jt.values().tolist())
+        loss_of(ebc(kjt), target).backward()
+    return ebc, {t: np.array(sorted(v)) for t, v in keys.items()}
+
+
+@pytest.mark.parametrize("id_space", ["hashed", "bounded"])
+def test_a_snapshot_of_tiny_tiers_loads_into_other_budgets_and_trains_on_identically(tmp_path, id_space):
+    tiny = StorageConfig(device_rows=60, host_rows=40, ssd_dir=str(tmp_path / "a"), ssd_segment_bytes=4 << 10)
+    ebc, keys = trained(tiny, id_space=id_space)
+    manifest = ebc.save_tables(tmp_path / "snap")
+    # Rows from all three tiers, each once.
+    assert sum(sum(f.rows.values()) for f in manifest.files) == sum(len(v) for v in keys.values())
+    with pytest.raises(FileExistsError, match="exists already"):
+        ebc.save_tables(tmp_path / "snap")
+    others = []
+    for storage in (StorageConfig(), StorageConfig(device_rows=100, host_rows=0, ssd_dir=str(tmp_path / "b"))):
+        other = TieredEmbeddingBagCollection(TABLES, storage=storage, optimizer=SparseAdam(lr=0.05),
+                                             id_space=id_space)
+        other.load_tables(tmp_path / "snap")
+        for t, ids in keys.items():
+            assert torch.equal(other.rows(t, ids), ebc.rows(t, ids)), t
+        others.append(other)
+    # Optimizer state and step counts came along: the next steps agree bit for bit.
+    for model in (ebc, *others):
+        for kjt, target in list(growing_workload(130, bounded=id_space == "bounded"))[120:]:
+            loss_of(model(kjt), target).backward()
+    for other in others:
+        for t, ids in keys.items():
+            assert torch.equal(other.rows(t, ids), ebc.rows(t, ids)), t
+
+
+def test_a_flipped_byte_or_a_missing_manifest_is_named(tmp_path):
+    ebc, _ = trained(StorageConfig(device_rows=60, host_rows=0, ssd_dir=str(tmp_path / "a")), steps=30)
+    manifest = ebc.save_tables(tmp_path / "snap")
+    target = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
+    damaged = tmp_path / "snap" / manifest.files[0].name
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(RowFileError, match=rf"{manifest.files[0].name} \(tables \['t0'\]\) does not match its "
+                                           "checksum"):
+        target.load_tables(tmp_path / "snap")
+    # Past the manifest's check (as if it had been damaged too), the chunk's own CRC names it.
+    with pytest.raises(RowFileError, match=rf"{damaged}: checksum mismatch in the chunk at byte \d+ of \d+ rows"):
+        list(read_row_file(damaged))
+    # A save killed before its manifest leaves row files only: not loadable, and said so.
+    (tmp_path / "snap" / "manifest.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no manifest.json, so it is incomplete"):
+        target.load_tables(tmp_path / "snap")
+
+
+def test_a_snapshot_of_other_rows_is_refused_naming_the_table(tmp_path):
+    ebc, _ = trained(StorageConfig(), steps=5)
+    ebc.save_tables(tmp_path / "snap")
+    wider = [EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim * 2, num_embeddings=t.num_embeddings,
+                                feature_names=t.feature_names, pooling=t.pooling) for t in TABLES]
+    with pytest.raises(ValueError, match=r"table 't0': snapshot rows have width 24"):
+        TieredEmbeddingBagCollection(wider, optimizer=SparseAdam()).load_tables(tmp_path / "snap")
+    manifest = json.loads((tmp_path / "snap" / "manifest.json").read_text())
+    assert manifest["world_size"] == 1 and set(manifest["tables"]) == {"t0", "t1", "t2"}
