@@ -4,6 +4,8 @@ from ctr_lightning.callbacks.data_quality import BadLineMonitor
 from ctr_lightning.callbacks.working_set_prefetch import WorkingSetPrefetch
 from ctr_lightning.callbacks.run_summary import RunSummary
 from ctr_lightning.callbacks.storage_monitor import StorageMonitor
+from ctr_lightning.callbacks.table_snapshots import TableSnapshots
 from ctr_lightning.callbacks.throughput import ExamplesPerSecond
 
-__all__ = ["BadLineMonitor", "ExamplesPerSecond", "RunSummary", "StorageMonitor", "WorkingSetPrefetch"]
+__all__ = ["BadLineMonitor", "ExamplesPerSecond", "RunSummary", "StorageMonitor", "TableSnapshots",
+           "WorkingSetPrefetch"]

@@ -9,6 +9,7 @@ a snapshot loads into other storage budgets and, through ``keep``, into another 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable
@@ -49,6 +50,10 @@ class SnapshotManifest:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
+
+    def sha256(self) -> str:
+        """Of the manifest as written: a checkpoint names the snapshot it means by it."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
 
     @classmethod
     def read(cls, directory: str | os.PathLike) -> SnapshotManifest:

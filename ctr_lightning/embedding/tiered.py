@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -115,6 +117,10 @@ class TieredEmbeddingBagCollection(nn.Module):
         # the collection shards itself over the ranks (Lightning starts them after the
         # model is made).
         self._engine: TableEngine | None = None
+        # With a snapshot root, checkpoints hold a reference to a table snapshot, not rows.
+        self._snapshot_root: Path | None = None
+        self._version = 0  # counts changes of the rows: one snapshot serves one state
+        self._snapshot: tuple[int, dict[str, Any]] | None = None  # (version, its reference)
 
     def follow_merge_schedule(self, k: int, warmup_steps: int = 0) -> None:
         """Merge the replicas of ``sparse_sync="k_step"`` with a k-step strategy's ``k`` and
@@ -175,6 +181,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             raise ValueError(f"{type(self).__name__}: tables {[t.name for t in self._tables]} are in cpu memory but "
                              f"the KJT is on {device}; move the module first (.to({str(device)!r}), as Lightning does)")
         train = self.training and torch.is_grad_enabled()
+        self._version += train
         pooled = self._built().forward(features, train)
         return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=pooled)
 
@@ -259,12 +266,40 @@ class TieredEmbeddingBagCollection(nn.Module):
                                       f"{type(engine).__name__} checkpoints through its state dict")
         return engine
 
+    def checkpoint_to_snapshots(self, root: str | os.PathLike | None) -> None:
+        """From now on the state dict (and so a Lightning checkpoint) holds a reference to a
+        new table snapshot under ``root`` instead of the rows: saving streams the rows, at
+        the memory of one chunk. ``None``: rows in the state dict again. One process for
+        now. The :class:`~ctr_lightning.callbacks.TableSnapshots` callback sets this up."""
+        if root is not None:
+            self._local_engine("checkpoint_to_snapshots")
+        self._snapshot_root = Path(root) if root is not None else None
+
     def get_extra_state(self) -> dict[str, Any]:
+        if self._snapshot_root is not None:
+            # Lightning asks twice per checkpoint (the module is reachable under two names).
+            if self._snapshot is None or self._snapshot[0] != self._version:
+                directory = self._snapshot_root / f"v{self._version:09d}-{uuid.uuid4().hex[:8]}"
+                manifest = self.save_tables(directory)
+                self._snapshot = (self._version, {"snapshot": str(directory.resolve()),
+                                                  "manifest_sha256": manifest.sha256()})
+            return dict(self._snapshot[1])
         # Per table, whatever the sharding: a checkpoint loads into any number of ranks.
         # When sharded this is collective (Lightning builds checkpoints on every rank).
         return {"tables": self._built().export()}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
+        if "snapshot" in state:
+            if self._snapshot is not None and self._snapshot == (self._version, state):
+                return  # loaded already (the second name of this module)
+            manifest = self.load_tables(state["snapshot"])
+            if manifest.sha256() != state["manifest_sha256"]:
+                raise ValueError(f"table snapshot {state['snapshot']}: its manifest is not the one the "
+                                 f"checkpoint refers to")
+            self._version += 1
+            self._snapshot = (self._version, dict(state))
+            return
         if "tables" not in state:
             raise KeyError("checkpoint holds no 'tables' state for the TieredEmbeddingBagCollection")
         self._built().load(state["tables"])
+        self._version += 1

@@ -1,0 +1,66 @@
+"""Lightning checkpoints with TableSnapshots: the .ckpt holds a reference, the rows stream to
+a snapshot; top-k rotation deletes only snapshots no kept checkpoint names; a resumed run
+ends bit for bit where an uninterrupted one does."""
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ctr_lightning.callbacks import TableSnapshots
+from ctr_lightning.callbacks.table_snapshots import snapshot_references
+from ctr_lightning.datamodules import CriteoDataModule, write_synthetic_criteo
+from ctr_lightning.embedding import StorageConfig, TieredEmbeddingBagCollection
+from ctr_lightning.models import DLRMModule
+
+STEPS, EVERY = 24, 6
+
+
+def fit(work, data, max_steps, ckpt_path=None, top_k=2):
+    pl.seed_everything(0)
+    model = DLRMModule(embedding_dim=8, num_embeddings=5000, dense_arch_layer_sizes=[16],
+                       over_arch_layer_sizes=[16, 1],
+                       storage=StorageConfig(device_rows=150, host_rows=0, ssd_dir=str(work / "ssd")))
+    checkpoints = ModelCheckpoint(dirpath=work / "ckpt", every_n_train_steps=EVERY, save_top_k=top_k, monitor="step",
+                                  mode="max", save_last=True)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[checkpoints, TableSnapshots()], default_root_dir=work)
+    trainer.fit(model, datamodule=CriteoDataModule(train_paths=[str(data)], batch_size=64), ckpt_path=ckpt_path)
+    return model
+
+
+def final_rows(model):
+    collection = next(m for m in model.modules() if isinstance(m, TieredEmbeddingBagCollection))
+    out = {}
+    for name, table in collection._built().export().items():
+        order = torch.argsort(table["ids"])
+        out[name] = (table["ids"][order], table["rows"][order], table["steps"])
+    return out
+
+
+def test_checkpoints_reference_snapshots_rotate_them_and_resume_bit_exact(tmp_path):
+    data = tmp_path / "day_0.tsv"
+    write_synthetic_criteo(data, rows=STEPS * 64 + 500, seed=0)
+    full = fit(tmp_path / "full", data, STEPS)
+    ckpts = sorted((tmp_path / "full" / "ckpt").glob("*.ckpt"))
+    assert len(ckpts) == 3  # the top 2 by step and last.ckpt
+    named = set()
+    for path in ckpts:
+        state = torch.load(path, weights_only=True)["state_dict"]
+        refs = snapshot_references(state)
+        assert len(refs) == 1 and not any("tables" in v for k, v in state.items() if k.endswith("_extra_state"))
+        named |= refs
+    snapshots = {str(p.resolve()) for p in (tmp_path / "full" / "ckpt" / "table_snapshots").iterdir()}
+    assert snapshots == named  # those of rotated-out checkpoints are gone, the kept ones' are there
+    assert all((p / "manifest.json").exists() for p in map(type(tmp_path), snapshots))
+
+    # A run stopped at a checkpoint, then resumed from it, ends where the full run does.
+    fit(tmp_path / "part", data, STEPS // 2, top_k=-1)
+    resumed = fit(tmp_path / "part", data, STEPS, ckpt_path=str(tmp_path / "part" / "ckpt" / "last.ckpt"), top_k=-1)
+    a, b = final_rows(full), final_rows(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name][0], b[name][0]) and torch.equal(a[name][1], b[name][1]), name
+        assert a[name][2] == b[name][2]
+    for (k, x), (_, y) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y), k
