@@ -28,10 +28,12 @@ class TableSnapshots(Callback):
     holds only its path and its manifest's SHA-256; ``fit --ckpt_path`` loads it back.
 
     Snapshots go to ``root``, by default ``table_snapshots`` beside the first
-    ``ModelCheckpoint``'s files. At each save, and at the end of fit, snapshots that no
-    ``.ckpt`` file of the ModelCheckpoint directories refers to any more (top-k rotation,
-    a save killed before its manifest) are deleted; a kept checkpoint's never are.
-    One process for now.
+    ``ModelCheckpoint``'s files. At each save, and at the end of fit, the snapshots this
+    process wrote that no checkpoint file under the ModelCheckpoint directories refers to
+    any more (top-k rotation) are deleted, except the one of the current rows; snapshots
+    of earlier runs are never touched. A checkpoint saved by hand elsewhere
+    (``trainer.save_checkpoint("x.ckpt")``) does not protect its snapshot: save it into a
+    ModelCheckpoint directory. One process for now.
 
     Example::
 
@@ -42,9 +44,12 @@ class TableSnapshots(Callback):
         self.root = Path(root) if root is not None else None
         self._collections: list[TieredEmbeddingBagCollection] = []
 
-    def _checkpoint_dirs(self, trainer: pl.Trainer) -> list[Path]:
-        return [Path(c.dirpath) for c in trainer.checkpoint_callbacks
-                if isinstance(c, ModelCheckpoint) and c.dirpath is not None]
+    def _checkpoint_files(self, trainer: pl.Trainer) -> list[Path] | None:
+        """Every checkpoint file under the ModelCheckpoint directories (None: there are none)."""
+        callbacks = [c for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
+        if not callbacks:
+            return None
+        return [path for c in callbacks for path in Path(c.dirpath).rglob(f"*{c.FILE_EXTENSION}")]
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -52,8 +57,8 @@ class TableSnapshots(Callback):
         if not self._collections:
             raise ValueError(f"TableSnapshots: {type(pl_module).__name__} has no TieredEmbeddingBagCollection")
         if self.root is None:
-            dirs = self._checkpoint_dirs(trainer)
-            self.root = (dirs[0] if dirs else Path(trainer.default_root_dir)) / "table_snapshots"
+            dirs = [c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
+            self.root = Path(dirs[0] if dirs else trainer.default_root_dir) / "table_snapshots"
         for collection in self._collections:
             collection.checkpoint_to_snapshots(self.root)
 
@@ -69,15 +74,23 @@ class TableSnapshots(Callback):
             self._collect_garbage(trainer, keep=set())
 
     def _collect_garbage(self, trainer: pl.Trainer, keep: set[str]) -> None:
-        if self.root is None or not self.root.is_dir():
-            return
-        for directory in self._checkpoint_dirs(trainer):
-            for path in directory.glob("*.ckpt"):
-                try:
-                    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
-                except Exception:  # a .ckpt being written or not ours: keep everything it may name
-                    return
-                keep |= snapshot_references(state)
-        for snapshot in self.root.iterdir():
-            if snapshot.is_dir() and str(snapshot.resolve()) not in keep:
-                shutil.rmtree(snapshot, ignore_errors=True)
+        files = self._checkpoint_files(trainer)
+        if files is None:
+            return  # no checkpoint directory to tell which snapshots are still needed
+        for path in files:
+            try:
+                keep |= snapshot_references(torch.load(path, map_location="cpu", weights_only=True,
+                                                       mmap=True)["state_dict"])
+            except Exception:  # a file being written, or not ours: delete nothing this time
+                return
+        for collection in self._collections:
+            current = collection.current_snapshot()
+            if current is not None:
+                keep.add(str(current))
+            kept = []
+            for snapshot in collection.snapshots_written:
+                if str(snapshot) in keep:
+                    kept.append(snapshot)
+                else:
+                    shutil.rmtree(snapshot, ignore_errors=True)
+            collection.snapshots_written = kept

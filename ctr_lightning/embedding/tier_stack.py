@@ -357,11 +357,12 @@ class TierStack:
         else:
             dirty = device_rows.select(device_rows.dirty)
             parts.append((dirty.tables, dirty.ids, dirty.values.cpu()))
-        if self._unwritten is not None:
-            parts.append((self._unwritten.tables, self._unwritten.ids, self._unwritten.values))
         if self.host_tier is not None:
             host = self.host_tier.entries()
             parts.append((host.tables, host.ids, host.values))
+        # After the host tier: a failed write may hold an older copy of a row the host took since.
+        if self._unwritten is not None:
+            parts.append((self._unwritten.tables, self._unwritten.ids, self._unwritten.values))
         if self.ssd is not None:
             for tables, ids, data in self.ssd.entries():
                 parts.append((tables, ids, torch.from_numpy(data)))
@@ -381,10 +382,10 @@ class TierStack:
         device_rows = self.device_tier.entries()
         parts.append(device_rows if self.host_tier is None and self.ssd is None
                      else device_rows.select(device_rows.dirty))
-        if self._unwritten is not None:
-            parts.append(self._unwritten)
         if self.host_tier is not None:
             parts.append(self.host_tier.entries())
+        if self._unwritten is not None:  # after the host tier, as in export()
+            parts.append(self._unwritten)
         for part in parts:  # freshest first: a key already given is skipped after
             fresh = shadow.lookup(part.tables, part.ids) < 0
             tables, ids = part.tables[fresh], part.ids[fresh]
@@ -401,7 +402,10 @@ class TierStack:
 
     def begin_load(self) -> None:
         """Forget every stored row, before :meth:`load_chunk` calls."""
-        self.drain()
+        try:
+            self.drain()
+        except OSError:
+            pass  # a write that failed before: whatever it held is replaced now
         self._unwritten = self._failed = None
         self.device_tier.clear()
         if self.host_tier is not None:
@@ -412,6 +416,7 @@ class TierStack:
     def load_chunk(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
         """Store rows (keys new since :meth:`begin_load`): on SSD when there is one, else in
         memory."""
+        self.check_ids(tables, ids)
         loaded = Rows(tables, ids, rows, np.ones(len(ids), dtype=bool))
         if self.ssd is not None:
             self._write_ssd(loaded)  # the memory tiers are empty: no copy to relocate

@@ -121,6 +121,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._snapshot_root: Path | None = None
         self._version = 0  # counts changes of the rows: one snapshot serves one state
         self._snapshot: tuple[int, dict[str, Any]] | None = None  # (version, its reference)
+        self.snapshots_written: list[Path] = []  # by this process: TableSnapshots may delete them
 
     def follow_merge_schedule(self, k: int, warmup_steps: int = 0) -> None:
         """Merge the replicas of ``sparse_sync="k_step"`` with a k-step strategy's ``k`` and
@@ -257,7 +258,11 @@ class TieredEmbeddingBagCollection(nn.Module):
     def load_tables(self, directory: str | os.PathLike) -> SnapshotManifest:
         """Replace every row by a snapshot's (checked against its manifest's checksums
         first), streaming; the storage budgets may differ from the saving run's."""
-        return load_tables(self._local_engine("load_tables"), directory)
+        engine = self._local_engine("load_tables")
+        # Whatever happens below, the rows are no longer those of an earlier snapshot.
+        self._version += 1
+        self._snapshot = None
+        return load_tables(engine, directory)
 
     def _local_engine(self, what: str) -> LocalTables:
         engine = self._built()
@@ -275,11 +280,16 @@ class TieredEmbeddingBagCollection(nn.Module):
             self._local_engine("checkpoint_to_snapshots")
         self._snapshot_root = Path(root) if root is not None else None
 
+    def current_snapshot(self) -> Path | None:
+        """The snapshot the state dict refers to now, if one was written for these rows."""
+        return Path(self._snapshot[1]["snapshot"]) if self._snapshot is not None else None
+
     def get_extra_state(self) -> dict[str, Any]:
         if self._snapshot_root is not None:
             # Lightning asks twice per checkpoint (the module is reachable under two names).
             if self._snapshot is None or self._snapshot[0] != self._version:
                 directory = self._snapshot_root / f"v{self._version:09d}-{uuid.uuid4().hex[:8]}"
+                self.snapshots_written.append(directory.resolve())
                 manifest = self.save_tables(directory)
                 self._snapshot = (self._version, {"snapshot": str(directory.resolve()),
                                                   "manifest_sha256": manifest.sha256()})
@@ -292,14 +302,14 @@ class TieredEmbeddingBagCollection(nn.Module):
         if "snapshot" in state:
             if self._snapshot is not None and self._snapshot == (self._version, state):
                 return  # loaded already (the second name of this module)
-            manifest = self.load_tables(state["snapshot"])
-            if manifest.sha256() != state["manifest_sha256"]:
+            if SnapshotManifest.read(state["snapshot"]).sha256() != state["manifest_sha256"]:
                 raise ValueError(f"table snapshot {state['snapshot']}: its manifest is not the one the "
                                  f"checkpoint refers to")
-            self._version += 1
+            self.load_tables(state["snapshot"])
             self._snapshot = (self._version, dict(state))
             return
         if "tables" not in state:
             raise KeyError("checkpoint holds no 'tables' state for the TieredEmbeddingBagCollection")
-        self._built().load(state["tables"])
         self._version += 1
+        self._snapshot = None
+        self._built().load(state["tables"])

@@ -99,7 +99,29 @@ def test_a_snapshot_of_other_rows_is_refused_naming_the_table(tmp_path):
     ebc.save_tables(tmp_path / "snap")
     wider = [EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim * 2, num_embeddings=t.num_embeddings,
                                 feature_names=t.feature_names, pooling=t.pooling) for t in TABLES]
-    with pytest.raises(ValueError, match=r"table 't0': snapshot rows have width 24"):
+    with pytest.raises(ValueError, match=r"table 't0': snapshot rows have dim 8 and width 24 .* this collection "
+                                         r"stores dim 16"):
         TieredEmbeddingBagCollection(wider, optimizer=SparseAdam()).load_tables(tmp_path / "snap")
+    smaller = [EmbeddingBagConfig(name=t.name, embedding_dim=t.embedding_dim, num_embeddings=10,
+                                  feature_names=t.feature_names, pooling=t.pooling) for t in TABLES]
+    with pytest.raises(ValueError, match=r"table 't0': snapshot of 1000 rows \(num_embeddings\) does not fit a "
+                                         r"bounded table of 10"):
+        TieredEmbeddingBagCollection(smaller, optimizer=SparseAdam(), id_space="bounded").load_tables(tmp_path / "snap")
     manifest = json.loads((tmp_path / "snap" / "manifest.json").read_text())
     assert manifest["world_size"] == 1 and set(manifest["tables"]) == {"t0", "t1", "t2"}
+
+
+def test_a_state_dict_refers_to_a_snapshot_of_the_rows_it_has_now(tmp_path):
+    ebc, keys = trained(StorageConfig(), steps=10)
+    ebc.checkpoint_to_snapshots(tmp_path / "root")
+    first = ebc.get_extra_state()
+    assert ebc.get_extra_state() == first  # the same rows: the same snapshot
+    other, _ = trained(StorageConfig(), steps=3)
+    other.save_tables(tmp_path / "other")
+    ebc.load_tables(tmp_path / "other")  # other rows now: a state dict must not name the first snapshot
+    second = ebc.get_extra_state()
+    assert second["snapshot"] != first["snapshot"]
+    ebc.set_extra_state(first)
+    for t, ids in keys.items():
+        assert torch.equal(ebc.rows(t, ids), trained(StorageConfig(), steps=10)[0].rows(t, ids)), t
+    assert len(ebc.snapshots_written) == 2
