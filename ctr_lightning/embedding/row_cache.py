@@ -66,12 +66,6 @@ class Rows:
     def __len__(self) -> int:
         return len(self.ids)
 
-    @staticmethod
-    def concat(parts: list[Rows]) -> Rows:
-        return Rows(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("tables", "ids")),
-                    torch.cat([p.values.cpu() for p in parts]),
-                    *(np.concatenate([getattr(p, f) for p in parts]) for f in ("dirty", "locations")))
-
     def select(self, mask: np.ndarray) -> Rows:
         if mask.all():  # the common case of evictions in training: every victim is dirty
             return self

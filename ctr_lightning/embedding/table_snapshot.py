@@ -136,14 +136,13 @@ def load_tables(engine, directory: str | os.PathLike,
         raise KeyError(f"table snapshot {directory} has no rows for tables {missing}; it has "
                        f"{sorted(manifest.tables)}")
     for t in engine.tables:
-        g, _ = engine.table_of_name[t.name]
+        g, local = engine.table_of_name[t.name]
         saved = manifest.tables[t.name]
         if saved["dim"] != t.embedding_dim or saved["width"] != engine.groups[g].width:
             raise ValueError(f"table {t.name!r}: snapshot rows have dim {saved['dim']} and width {saved['width']} "
                              f"(weights + optimizer state), this collection stores dim {t.embedding_dim}, width "
                              f"{engine.groups[g].width}")
-        bounded = engine.groups[g].tiers.bounded[engine.table_of_name[t.name][1]]
-        if bounded and saved["num_embeddings"] > t.num_embeddings:
+        if engine.groups[g].tiers.bounded[local] and saved["num_embeddings"] > t.num_embeddings:
             raise ValueError(f"table {t.name!r}: snapshot of {saved['num_embeddings']} rows (num_embeddings) does "
                              f"not fit a bounded table of {t.num_embeddings}")
     verify(directory, manifest)

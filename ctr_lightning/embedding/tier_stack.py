@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -262,10 +262,9 @@ class TierStack:
                 raise  # interrupted while waiting (Ctrl-C): the write goes on, still pending
             # Cleared only once done: until then a prefetch thread must see it under way.
             self._pending = None
-            # Kept readable, newest first; nothing writes after a failure, so no newer copy
-            # can appear on SSD and memory copies' stale SSD locations are never used.
-            rows = Rows(rows.tables, rows.ids, rows.values.cpu(), rows.dirty, rows.locations)
-            self._unwritten = rows if self._unwritten is None else Rows.concat([rows, self._unwritten])
+            # Kept readable. Nothing writes after a failure (fetch refuses), so this is the
+            # only one, no newer copy can appear on SSD, and stale SSD locations go unused.
+            self._unwritten = Rows(rows.tables, rows.ids, rows.values.cpu(), rows.dirty, rows.locations)
             self._failed = e
             raise
         finally:
@@ -347,30 +346,12 @@ class TierStack:
             self.device_tier.dirty[slots] = True
 
     def export(self) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
-        """``(tables, ids, rows)`` of every stored row, freshest copy first: device (dirty)
-        over host over SSD."""
-        self.drain()
-        parts: list[tuple[np.ndarray, np.ndarray, torch.Tensor]] = []
-        device_rows = self.device_tier.entries()
-        if self.host_tier is None and self.ssd is None:
-            parts.append((device_rows.tables, device_rows.ids, device_rows.values.cpu()))
-        else:
-            dirty = device_rows.select(device_rows.dirty)
-            parts.append((dirty.tables, dirty.ids, dirty.values.cpu()))
-        if self.host_tier is not None:
-            host = self.host_tier.entries()
-            parts.append((host.tables, host.ids, host.values))
-        # After the host tier: a failed write may hold an older copy of a row the host took since.
-        if self._unwritten is not None:
-            parts.append((self._unwritten.tables, self._unwritten.ids, self._unwritten.values))
-        if self.ssd is not None:
-            for tables, ids, data in self.ssd.entries():
-                parts.append((tables, ids, torch.from_numpy(data)))
-        tables = np.concatenate([p[0] for p in parts])
-        ids = np.concatenate([p[1] for p in parts])
-        first, _ = dedup(tables, ids)  # first occurrence = freshest tier
-        values = torch.cat([p[2] for p in parts])[torch.from_numpy(first)]
-        return tables[first], ids[first], values
+        """``(tables, ids, rows)`` of every stored row, its freshest copy, all at once."""
+        chunks = list(self.export_chunks())
+        if not chunks:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64), torch.empty(0, self.width)
+        return (np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks]),
+                torch.cat([c[2] for c in chunks]))
 
     def export_chunks(self, chunk_rows: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
         """Every stored row once, its freshest copy, a chunk at a time: the memory tiers'
@@ -384,7 +365,8 @@ class TierStack:
                      else device_rows.select(device_rows.dirty))
         if self.host_tier is not None:
             parts.append(self.host_tier.entries())
-        if self._unwritten is not None:  # after the host tier, as in export()
+        # After the host tier: a failed write may hold an older copy of a row the host took since.
+        if self._unwritten is not None:
             parts.append(self._unwritten)
         for part in parts:  # freshest first: a key already given is skipped after
             fresh = shadow.lookup(part.tables, part.ids) < 0
