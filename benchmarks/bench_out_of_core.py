@@ -37,14 +37,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _stats(collections) -> tuple[dict[str, int], dict[str, int]]:
-    storage: dict[str, int] = {}
-    counters: dict[str, int] = {}
-    for c in collections:
-        for k, v in c.storage_stats().items():
-            storage[k] = storage.get(k, 0) + v
-        for k, v in c.tier_stats().items():
-            counters[k] = counters.get(k, 0) + v
-    return storage, counters
+    from ctr_lightning.embedding.counters import sum_counters
+
+    return sum_counters(c.storage_stats() for c in collections), sum_counters(c.tier_stats() for c in collections)
 
 
 try:  # the recorder is loaded by the CLI (class_path bench_out_of_core.StepRecorder)

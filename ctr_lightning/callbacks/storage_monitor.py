@@ -11,6 +11,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from ctr_lightning.callbacks.tiered_collections import tiered_collections
+from ctr_lightning.embedding.counters import sum_counters
 from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
 
 
@@ -73,9 +75,7 @@ class StorageMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._collections = [m for m in pl_module.modules() if isinstance(m, TieredEmbeddingBagCollection)]
-        if not self._collections:
-            raise ValueError(f"StorageMonitor: {type(pl_module).__name__} has no TieredEmbeddingBagCollection")
+        self._collections = tiered_collections(pl_module, "StorageMonitor")
         if self.stop_at is None or stage != "fit":
             return
         directories = sorted({d for c in self._collections for d in c.ssd_directories})
@@ -96,10 +96,7 @@ class StorageMonitor(Callback):
                        f"({', '.join(directories)}: about {need / 2**30:.1f} GiB of disk needed)")
 
     def stats(self) -> dict[str, float]:
-        total: dict[str, int] = {}
-        for collection in self._collections:
-            for k, v in collection.storage_stats().items():
-                total[k] = total.get(k, 0) + v
+        total = sum_counters(c.storage_stats() for c in self._collections)
         rows = total["ssd_rows"] + total["memory_rows"]
         return {"storage/ssd_bytes": float(total["ssd_bytes"]), "storage/ssd_live_bytes": float(total["ssd_live_bytes"]),
                 "storage/rows": float(rows), "storage/dram_bytes": float(total["dram_bytes"]),

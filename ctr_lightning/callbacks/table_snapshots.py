@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
+from ctr_lightning.callbacks.tiered_collections import tiered_collections
 from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
 
 
@@ -53,9 +54,7 @@ class TableSnapshots(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._collections = [m for m in pl_module.modules() if isinstance(m, TieredEmbeddingBagCollection)]
-        if not self._collections:
-            raise ValueError(f"TableSnapshots: {type(pl_module).__name__} has no TieredEmbeddingBagCollection")
+        self._collections = tiered_collections(pl_module, "TableSnapshots")
         if self.root is None:
             dirs = [c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
             self.root = Path(dirs[0] if dirs else trainer.default_root_dir) / "table_snapshots"

@@ -11,8 +11,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from typing_extensions import override
 
-from ctr_lightning.embedding.working_set_prefetcher import WorkingSetPrefetcher
+from ctr_lightning.callbacks.tiered_collections import tiered_collections
+from ctr_lightning.embedding.counters import sum_counters
 from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
+from ctr_lightning.embedding.working_set_prefetcher import WorkingSetPrefetcher
 
 
 class WorkingSetPrefetch(Callback):
@@ -42,19 +44,13 @@ class WorkingSetPrefetch(Callback):
         self._last: dict[str, int] = {}
 
     def _totals(self) -> dict[str, int]:
-        totals: dict[str, int] = {}
-        for collection in self._collections:
-            for k, v in collection.tier_stats().items():
-                totals[k] = totals.get(k, 0) + v
-        return totals
+        return sum_counters(c.tier_stats() for c in self._collections)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._collections = [m for m in pl_module.modules() if isinstance(m, TieredEmbeddingBagCollection)]
-        if not self._collections:
-            raise ValueError(f"WorkingSetPrefetch: {type(pl_module).__name__} has no TieredEmbeddingBagCollection")
+        self._collections = tiered_collections(pl_module, "WorkingSetPrefetch")
         # Wrapped where Lightning asks for the train dataloader: the fit loop makes its
         # iterator (and fetches the first batch) before any epoch hook runs, so a loader
         # wrapped in on_train_epoch_start would miss the first epoch.

@@ -11,6 +11,7 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ctr_lightning.embedding.counters import sum_counters
 from ctr_lightning.embedding.engine import TableEngine, TableState
 from ctr_lightning.embedding.table_checks import align_features
 from ctr_lightning.embedding.table_group import TableGroup
@@ -122,10 +123,10 @@ class LocalTables(TableEngine):
         return self.groups[g].rows(local, ids.numpy().astype(np.int64, copy=False))
 
     def tier_stats(self) -> dict[str, int]:
-        return _sum([group.stats for group in self.groups])
+        return sum_counters(group.stats for group in self.groups)
 
     def storage_stats(self) -> dict[str, int]:
-        return _sum([group.storage_stats() for group in self.groups])
+        return sum_counters(group.storage_stats() for group in self.groups)
 
     def export(self) -> dict[str, TableState]:
         """Per table name: ``ids``, ``rows`` (``[n, dim + optimizer state]``) and ``steps``."""
@@ -162,11 +163,3 @@ class LocalTables(TableEngine):
                 rows.append(table_rows)
             steps = np.array([int(state[name]["steps"]) for name in group.names], dtype=np.int64)
             group.load(np.concatenate(tables), np.concatenate(ids), torch.cat(rows), steps)
-
-
-def _sum(dicts: list[dict[str, int]]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for d in dicts:
-        for k, v in d.items():
-            total[k] = total.get(k, 0) + v
-    return total
