@@ -10,6 +10,7 @@ the owners every k steps), both in :mod:`ctr_lightning.embedding.distributed`.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding.sharding_plan import TableSharding
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest
 
 TableState = dict[str, Any]  # per table: "ids" [n], "rows" [n, dim + optimizer state], "steps"
 
@@ -53,6 +55,22 @@ class TableEngine(ABC):
     @abstractmethod
     def load(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         """Replace every stored row by :meth:`export`'s state (from any number of ranks)."""
+
+    @abstractmethod
+    def save_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
+        """Stream every stored row into a new table snapshot (see
+        :mod:`~ctr_lightning.embedding.table_snapshot`); each rank writes the rows it owns.
+        Collective when distributed."""
+
+    @abstractmethod
+    def load_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
+        """Replace every stored row by a snapshot's, from any number of ranks; each rank
+        keeps the rows it owns. Not collective."""
+
+    def from_rank0(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (a name they must agree on). Collective when
+        distributed."""
+        return value
 
     @abstractmethod
     def move_device_tier(self, device: torch.device) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +17,7 @@ from ctr_lightning.embedding.engine import TableEngine, TableState
 from ctr_lightning.embedding.table_checks import align_features
 from ctr_lightning.embedding.table_group import TableGroup
 from ctr_lightning.embedding.table_setup import TableSetup
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest, load_tables, save_tables
 
 
 class LocalTables(TableEngine):
@@ -139,6 +141,15 @@ class LocalTables(TableEngine):
                 out[name] = {"ids": state["id"][mine], "rows": state["rows"][mine],
                              "steps": int(state["steps"][local])}
         return out
+
+    def save_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
+        return save_tables(self, directory)
+
+    def load_snapshot(self, directory: str | os.PathLike,
+                      keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> SnapshotManifest:
+        """As :meth:`TableEngine.load_snapshot`; ``keep(table, ids)`` selects the rows this
+        process holds (a shard), default all."""
+        return load_tables(self, directory, keep)
 
     def load(self, state: Mapping[str, Mapping[str, Any]],
              keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> None:

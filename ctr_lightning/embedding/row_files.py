@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ctr_lightning.fault_points import reached
+
 FORMAT = "ctr-lightning-rows-1"
 _HEAD = struct.Struct("<4sQQI")  # magic, rows, payload bytes, CRC-32 of the payload
 _MAGIC = b"ROWS"
@@ -55,9 +57,17 @@ class RowFileWriter:
         self._put(header)
 
     def _put(self, data: bytes | memoryview) -> None:
-        self._file.write(data)
+        try:
+            self._file.write(data)
+        except OSError as e:
+            raise self._failed(e) from e
         self._hash.update(data)
         self.size += len(data)
+
+    def _failed(self, e: OSError) -> OSError:
+        # A full disk or a file-size limit: name the file and what was written so far.
+        return OSError(e.errno, f"writing {self._partial}: {e.strerror} after {self.size} bytes "
+                                f"(disk full, or a file size limit, in {self.path.parent}?)")
 
     def write(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor | np.ndarray) -> None:
         """Append rows: ``tables`` indexes :attr:`table_names`."""
@@ -75,20 +85,27 @@ class RowFileWriter:
         self._put(_HEAD.pack(_MAGIC, len(ids), sum(len(p) for p in parts), crc))
         for part in parts:
             self._put(part)
+            reached("snapshot_rows")
         for t, n in zip(*np.unique(tables, return_counts=True)):
             self.rows_per_table[int(t)] += int(n)
 
     def close(self) -> None:
         if self._file.closed:
             return
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+        except OSError as e:
+            raise self._failed(e) from e
         os.replace(self._partial, self.path)
         self.sha256 = self._hash.hexdigest()
 
     def abort(self) -> None:
-        self._file.close()
+        try:
+            self._file.close()
+        except OSError:
+            pass  # what is left unflushed is thrown away with the file
         self._partial.unlink(missing_ok=True)
 
     def __enter__(self) -> RowFileWriter:

@@ -15,6 +15,7 @@ import numpy as np
 from ctr_lightning.embedding.key_index import dedup
 from ctr_lightning.embedding.location_index import MAX_RECORDS, LocationIndex
 from ctr_lightning.embedding.record_io import transfer_records
+from ctr_lightning.fault_points import reached
 
 _HEADER = 4  # float32 words before a record's row: id (int64), table (int32), unused (int32)
 
@@ -327,6 +328,7 @@ class SsdLog:
                                                                     self.record_bytes))
             segment.written += n
             self.bytes_written += n * self.record_bytes
+            reached("ssd_write")
             locations[start : start + n] = segment.number * self.segment_records + slots
             start += n
         # Only now do readers see the new copies.
@@ -368,6 +370,7 @@ class SsdLog:
                 new = self._append(tables[live], ids[live], records[live, _HEADER:], locations[live])
                 moved.append(Relocated(tables[live], ids[live], new))
                 self.records_moved += int(live.sum())
+                reached("ssd_clean")
             budget -= max(take, 1)
             if slot + take >= victim.written:
                 self._retire(victim)

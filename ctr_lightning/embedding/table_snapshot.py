@@ -13,13 +13,15 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from ctr_lightning.embedding.row_files import RowFileError, RowFileWriter, file_sha256, read_row_file
+from ctr_lightning.fault_points import reached
 
 MANIFEST = "manifest.json"
 FORMAT = "ctr-lightning-table-snapshot-1"
@@ -40,13 +42,17 @@ class SnapshotFile:
 @dataclass(frozen=True)
 class SnapshotManifest:
     """What a complete snapshot holds: its files, the tables (name, dim, row width,
-    ``num_embeddings``), each table's optimizer step count, and who wrote it."""
+    ``num_embeddings``), each table's optimizer step count, and who wrote it: the number
+    of ranks and each table's sharding."""
 
     format: str
     world_size: int
     tables: dict[str, dict[str, int]]
     steps: dict[str, int]
     files: list[SnapshotFile]
+    # Per table, how the saving ranks split it ({"kind", "owner"}); empty from one process.
+    # Loading does not need it (every row file names its tables and ids): it is a record.
+    sharding: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -66,17 +72,22 @@ class SnapshotManifest:
             raise ValueError(f"{path}: format {data.get('format')!r}, expected {FORMAT!r}")
         return cls(format=data["format"], world_size=int(data["world_size"]), tables=data["tables"],
                    steps={k: int(v) for k, v in data["steps"].items()},
-                   files=[SnapshotFile(**f) for f in data["files"]])
+                   files=[SnapshotFile(**f) for f in data["files"]], sharding=data.get("sharding", {}))
 
 
 def write_manifest(directory: str | os.PathLike, manifest: SnapshotManifest) -> None:
     """Write the manifest durably and atomically: the snapshot is complete from here on."""
+    reached("snapshot_manifest")
     directory = Path(directory)
     partial = directory / (MANIFEST + ".partial")
-    with open(partial, "w") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(partial, "w") as f:
+            f.write(manifest.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        partial.unlink(missing_ok=True)
+        raise OSError(e.errno, f"writing {partial}: {e.strerror}; the snapshot is incomplete") from e
     os.replace(partial, directory / MANIFEST)
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -85,27 +96,64 @@ def write_manifest(directory: str | os.PathLike, manifest: SnapshotManifest) -> 
         os.close(fd)
 
 
-def save_tables(engine, directory: str | os.PathLike, chunk_rows: int = 1 << 16) -> SnapshotManifest:
-    """Write every row of a :class:`LocalTables` engine to ``directory`` (one file per table
-    group), then the manifest. ``directory`` must not hold a snapshot already."""
+@dataclass(frozen=True)
+class ShardFiles:
+    """What one rank wrote into a snapshot: its files, and per table the optimizer step
+    count and the shape of its rows. Ranks' parts are joined into the manifest."""
+
+    files: list[SnapshotFile]
+    steps: dict[str, int]
+    tables: dict[str, dict[str, int]]
+
+
+def prepare_directory(directory: str | os.PathLike) -> Path:
+    """The snapshot directory, created; an error if it holds a complete snapshot already."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if (directory / MANIFEST).exists():
         raise FileExistsError(f"table snapshot {directory} exists already; snapshots are never overwritten")
-    files, steps, tables = [], {}, {}
+    return directory
+
+
+def write_shard(engine, directory: str | os.PathLike, rank: int = 0, chunk_rows: int = 1 << 16,
+                steps: dict[str, int] | None = None) -> ShardFiles:
+    """Stream every row a :class:`LocalTables` engine holds into ``directory`` (one file per
+    table group, named for ``rank``); ``steps`` overrides the engine's step counts."""
+    files, step_counts, tables = [], {}, {}
     for g, group in enumerate(engine.groups):
-        name = f"rank0-group{g}.rows"
-        with RowFileWriter(directory / name, group.names, group.width) as out:
+        name = f"rank{rank}-group{g}.rows"
+        with RowFileWriter(Path(directory) / name, group.names, group.width) as out:
             for t, i, rows in group.tiers.export_chunks(chunk_rows):
                 out.write(t, i, rows)
         files.append(SnapshotFile(name, out.size, out.sha256, group.width,
                                   dict(zip(group.names, out.rows_per_table))))
         for local, table in enumerate(group.names):
-            steps[table] = int(group.steps[local])
+            step_counts[table] = int(group.steps[local]) if steps is None else int(steps[table])
             config = group.tables[local]
             tables[table] = {"dim": config.embedding_dim, "width": group.width,
                              "num_embeddings": config.num_embeddings}
-    manifest = SnapshotManifest(FORMAT, world_size=1, tables=tables, steps=steps, files=files)
+    return ShardFiles(files, step_counts, tables)
+
+
+def join_shards(parts: list[ShardFiles], sharding: dict[str, dict[str, Any]] | None = None) -> SnapshotManifest:
+    """The manifest of a snapshot written by ``len(parts)`` ranks, in rank order. A table's
+    step count is the largest any rank holds (a rank that never saw the table has none)."""
+    steps: dict[str, int] = {}
+    tables: dict[str, dict[str, int]] = {}
+    for part in parts:
+        for table, count in part.steps.items():
+            steps[table] = max(steps.get(table, 0), count)
+        tables.update(part.tables)
+    files = [f for part in parts for f in part.files]
+    return SnapshotManifest(FORMAT, world_size=len(parts), tables=tables, steps=steps, files=files,
+                            sharding=dict(sharding or {}))
+
+
+def save_tables(engine, directory: str | os.PathLike, chunk_rows: int = 1 << 16) -> SnapshotManifest:
+    """Write every row of a :class:`LocalTables` engine to ``directory`` (one file per table
+    group), then the manifest. ``directory`` must not hold a snapshot already."""
+    directory = prepare_directory(directory)
+    manifest = join_shards([write_shard(engine, directory, 0, chunk_rows)])
     write_manifest(directory, manifest)
     return manifest
 

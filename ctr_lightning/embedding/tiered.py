@@ -17,13 +17,14 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ctr_lightning.embedding.engine import TableEngine
+from ctr_lightning.fault_points import reached
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 from ctr_lightning.embedding.sharding_plan import SHARDING_KINDS, TableSharding, plan_sharding
 from ctr_lightning.embedding.storage_config import StorageConfig
 from ctr_lightning.embedding.table_checks import check_tables
 from ctr_lightning.embedding.table_setup import TableSetup, check_kernel_device
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest, load_tables, save_tables
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest
 from ctr_lightning.strategies.merge_schedule import MergeSchedule
 
 DEFAULT_SYNC_EVERY = 16
@@ -184,6 +185,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         train = self.training and torch.is_grad_enabled()
         self._version += train
         pooled = self._built().forward(features, train)
+        if train:
+            reached("train_step")
         return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=pooled)
 
     def _apply(self, fn: Any, recurse: bool = True) -> TieredEmbeddingBagCollection:
@@ -252,32 +255,26 @@ class TieredEmbeddingBagCollection(nn.Module):
     def save_tables(self, directory: str | os.PathLike) -> SnapshotManifest:
         """Write every row to a new snapshot in ``directory``, streaming from every tier (one
         chunk of rows in memory, not the table); the manifest, written last, completes it.
-        One process for now: sharded collections still checkpoint through the state dict."""
-        return save_tables(self._local_engine("save_tables"), directory)
+        When sharded this is collective: each rank writes the rows it owns to its own
+        files, and ``directory`` must be one every rank sees."""
+        return self._built().save_snapshot(directory)
 
     def load_tables(self, directory: str | os.PathLike) -> SnapshotManifest:
         """Replace every row by a snapshot's (checked against its manifest's checksums
-        first), streaming; the storage budgets may differ from the saving run's."""
-        engine = self._local_engine("load_tables")
+        first), streaming; the snapshot may come from any number of ranks and sharding,
+        and the storage budgets may differ from the saving run's. Each rank keeps the rows
+        it owns; not collective."""
+        engine = self._built()
         # Whatever happens below, the rows are no longer those of an earlier snapshot.
         self._version += 1
         self._snapshot = None
-        return load_tables(engine, directory)
-
-    def _local_engine(self, what: str) -> LocalTables:
-        engine = self._built()
-        if not isinstance(engine, LocalTables):
-            raise NotImplementedError(f"{what}: snapshots of sharded collections are not built yet; "
-                                      f"{type(engine).__name__} checkpoints through its state dict")
-        return engine
+        return engine.load_snapshot(directory)
 
     def checkpoint_to_snapshots(self, root: str | os.PathLike | None) -> None:
         """From now on the state dict (and so a Lightning checkpoint) holds a reference to a
         new table snapshot under ``root`` instead of the rows: saving streams the rows, at
-        the memory of one chunk. ``None``: rows in the state dict again. One process for
-        now. The :class:`~ctr_lightning.callbacks.TableSnapshots` callback sets this up."""
-        if root is not None:
-            self._local_engine("checkpoint_to_snapshots")
+        the memory of one chunk, each rank its own. ``None``: rows in the state dict again.
+        The :class:`~ctr_lightning.callbacks.TableSnapshots` callback sets this up."""
         self._snapshot_root = Path(root) if root is not None else None
 
     def current_snapshot(self) -> Path | None:
@@ -288,7 +285,9 @@ class TieredEmbeddingBagCollection(nn.Module):
         if self._snapshot_root is not None:
             # Lightning asks twice per checkpoint (the module is reachable under two names).
             if self._snapshot is None or self._snapshot[0] != self._version:
-                directory = self._snapshot_root / f"v{self._version:09d}-{uuid.uuid4().hex[:8]}"
+                # Collective when sharded: every rank writes into the directory rank 0 names.
+                name = self._built().from_rank0(f"v{self._version:09d}-{uuid.uuid4().hex[:8]}")
+                directory = self._snapshot_root / name
                 self.snapshots_written.append(directory.resolve())
                 manifest = self.save_tables(directory)
                 self._snapshot = (self._version, {"snapshot": str(directory.resolve()),

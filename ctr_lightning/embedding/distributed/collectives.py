@@ -27,6 +27,13 @@ def gather_tables(local: dict[str, TableState], tables: Sequence[EmbeddingBagCon
     return out
 
 
+def broadcast_from_rank0(value: Any, process_group: dist.ProcessGroup) -> Any:
+    """Collective: the group's rank 0's ``value`` (any picklable object) on every rank."""
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0), group=process_group)
+    return box[0]
+
+
 def owners_rows(shard: LocalTables, tables: Sequence[EmbeddingBagConfig], table: str, mine: torch.Tensor,
                 ids: torch.Tensor, process_group: dist.ProcessGroup) -> torch.Tensor:
     """Collective: each rank fills in the rows it owns (``mine``) and the sum reaches all."""

@@ -3,6 +3,7 @@ owners average the replicas' deltas (the paper's pull / push per pass)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,12 +13,19 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ctr_lightning.embedding.distributed.collectives import UnevenAllToAll, gather_tables, owners_rows
+from ctr_lightning.embedding.distributed.collectives import (
+    UnevenAllToAll,
+    broadcast_from_rank0,
+    gather_tables,
+    owners_rows,
+)
+from ctr_lightning.embedding.distributed.shard_snapshots import save_shards
 from ctr_lightning.embedding.engine import TableEngine, TableState
 from ctr_lightning.embedding.key_index import KeyIndex, dedup
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
 from ctr_lightning.embedding.table_setup import TableSetup
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest
 from ctr_lightning.strategies.merge_schedule import MergeSchedule
 
 
@@ -230,9 +238,29 @@ class ReplicatedTables(TableEngine):
 
     def load(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         self.shard.load(state, keep=self.owns)
+        self._reset_replicas({name: int(s["steps"]) for name, s in state.items()})
+
+    def save_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
+        """Collective: merges, then each rank streams its owner shard to its own files (the
+        step counts are the replicas', which count every training step)."""
+        self.merge()
+        steps = {name: int(group.steps[local]) for group in self.replica.groups
+                 for local, name in enumerate(group.names)}
+        return save_shards(self.shard, directory, self.process_group, self.plan, steps=steps)
+
+    def load_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
+        manifest = self.shard.load_snapshot(directory, keep=self.owns)
+        self._reset_replicas(manifest.steps)
+        return manifest
+
+    def from_rank0(self, value: Any) -> Any:
+        return broadcast_from_rank0(value, self.process_group)
+
+    def _reset_replicas(self, steps: Mapping[str, int]) -> None:
+        """After a load: no replica rows, no pending deltas, the loaded step counts."""
         for group in self.replica.groups:
             group.forget()
-            group.steps = np.array([int(state[n]["steps"]) for n in group.names], dtype=np.int64)
+            group.steps = np.array([int(steps[n]) for n in group.names], dtype=np.int64)
         self._bases = [[] for _ in self.replica.groups]
 
     def move_device_tier(self, device: torch.device) -> None:

@@ -4,6 +4,7 @@ embeddings travel back, through torchrec's all-to-all modules."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -13,12 +14,14 @@ from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ctr_lightning.embedding.distributed.collectives import gather_tables, owners_rows
+from ctr_lightning.embedding.distributed.collectives import broadcast_from_rank0, gather_tables, owners_rows
+from ctr_lightning.embedding.distributed.shard_snapshots import save_shards
 from ctr_lightning.embedding.engine import TableEngine, TableState
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
 from ctr_lightning.embedding.table_checks import align_features
 from ctr_lightning.embedding.table_setup import TableSetup
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest
 
 
 class ShardedTables(TableEngine):
@@ -239,6 +242,16 @@ class ShardedTables(TableEngine):
 
     def load(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         self.local.load(state, keep=self.owns)
+
+    def save_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
+        """Collective: each rank streams its shard to its own files; rank 0 writes the manifest."""
+        return save_shards(self.local, directory, self.process_group, self.plan)
+
+    def load_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
+        return self.local.load_snapshot(directory, keep=self.owns)
+
+    def from_rank0(self, value: Any) -> Any:
+        return broadcast_from_rank0(value, self.process_group)
 
     def move_device_tier(self, device: torch.device) -> None:
         self.local.move_device_tier(device)

@@ -1,0 +1,71 @@
+"""Table snapshots of sharded engines: every rank streams the rows it owns to its own files,
+rank 0 writes the manifest once all of them are there.
+
+The snapshot directory must be one every rank sees (a shared file system on several
+nodes, as Lightning's checkpoint directory is). Loading needs no collective: each rank
+reads every file and keeps the rows it owns under its own plan, so a snapshot saved by W
+ranks loads into W' ranks, another sharding, or one process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch.distributed as dist
+
+from ctr_lightning.embedding.local_tables import LocalTables
+from ctr_lightning.embedding.sharding_plan import TableSharding
+from ctr_lightning.embedding.table_snapshot import (
+    ShardFiles,
+    SnapshotManifest,
+    join_shards,
+    prepare_directory,
+    write_manifest,
+    write_shard,
+)
+
+
+def save_shards(local: LocalTables, directory: str | os.PathLike, process_group: dist.ProcessGroup,
+                plan: Mapping[str, TableSharding], steps: dict[str, int] | None = None,
+                chunk_rows: int = 1 << 16) -> SnapshotManifest:
+    """Collective: this rank writes ``local``'s rows (``rank{r}-group{g}.rows``), the ranks
+    exchange what they wrote (names, sizes, checksums: a few bytes, never rows), and rank 0
+    writes the manifest. A failure on any rank (a full disk, say) raises on every rank,
+    naming the rank and the cause, and no manifest is written, so the snapshot stays
+    incomplete and the previous one is what a resume finds."""
+    rank = dist.get_rank(process_group)
+    part, failure = None, None
+    try:
+        part = write_shard(local, prepare_directory(directory), rank, chunk_rows, steps)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
+        failure = e
+    parts = _exchange((part, _describe(rank, failure)), process_group)
+    _raise_any(directory, failure, [error for _, error in parts])
+    shards: list[ShardFiles] = [p for p, _ in parts]
+    manifest = join_shards(shards, {t: {"kind": s.kind, "owner": s.owner} for t, s in sorted(plan.items())})
+    if rank == 0:
+        try:
+            write_manifest(directory, manifest)
+        except Exception as e:  # noqa: BLE001
+            failure = e
+    _raise_any(directory, failure, _exchange(_describe(rank, failure), process_group))
+    return manifest
+
+
+def _describe(rank: int, failure: BaseException | None) -> str | None:
+    return None if failure is None else f"rank {rank}: {type(failure).__name__}: {failure}"
+
+
+def _exchange(item, process_group: dist.ProcessGroup) -> list:
+    out = [None] * process_group.size()
+    dist.all_gather_object(out, item, group=process_group)
+    return out
+
+
+def _raise_any(directory: str | os.PathLike, own: BaseException | None, errors: list[str | None]) -> None:
+    if own is not None:
+        raise own  # this rank's own error, with its traceback
+    errors = [e for e in errors if e]
+    if errors:
+        raise RuntimeError(f"table snapshot {directory}: not saved, another rank failed: {'; '.join(errors)}")
