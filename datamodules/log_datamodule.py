@@ -99,6 +99,8 @@ class LogDataModule(pl.LightningDataModule):
         self._train_loader: BatchDataLoader | None = None
         self._sync_process_group: Any = None  # set up in a distributed fit, to keep ranks' batch counts equal
         self._resume: dict[str, Any] | None = None  # a checkpoint's position, until used
+        # (epoch, batches trained before, batches per shard skipped) of a resumed pass
+        self._resumed: tuple[int, int, dict[int, int]] | None = None
 
     @property
     def sparse_feature_names(self) -> list[str]:
@@ -165,6 +167,11 @@ class LogDataModule(pl.LightningDataModule):
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         self.epoch_files[split] = files
         skip = self._take_resume(files, rank, world) if split == "train" else None
+        if skip:
+            # The batches of this epoch trained before the resume: the new loader's log of
+            # batches starts after them, so later checkpoints add them back.
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
+            self._resumed = (self._current_epoch(), done, skip)
         dataset = LogStreamDataset(
             files, self.format, batch_size=self.batch_size, rank=rank, world_size=world, bad_lines=self.bad_lines,
             skip_batches=skip, max_bad_fraction=self.max_bad_fraction, files=[self._indexes[f] for f in files],
@@ -198,12 +205,21 @@ class LogDataModule(pl.LightningDataModule):
         if trainer is None or loader is None:
             return {}
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        shard_batches = loader.position(done)
+        before, skipped = 0, {}
+        if self._resumed is not None and self._resumed[0] == trainer.current_epoch:
+            _, before, skipped = self._resumed  # this epoch began in an earlier run
+        shard_batches = loader.position(done - before)
+        for shard, n in skipped.items():  # every rank's shards, as the checkpoint had them
+            shard_batches[shard] = shard_batches.get(shard, 0) + n
         if torch.distributed.is_available() and torch.distributed.is_initialized() and trainer.world_size > 1:
             # Every rank builds the checkpoint; rank 0 writes it, so it must hold all shards.
+            # A shard's count only grows, and only its reader knows the new one: take the largest.
             parts: list[dict[int, int]] = [{} for _ in range(trainer.world_size)]
             torch.distributed.all_gather_object(parts, shard_batches)
-            shard_batches = {k: v for part in parts for k, v in part.items()}
+            shard_batches = {}
+            for part in parts:
+                for k, v in part.items():
+                    shard_batches[k] = max(shard_batches.get(k, 0), v)
         return {
             "epoch": trainer.current_epoch,
             "files": self.epoch_files.get("train", []),

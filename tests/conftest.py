@@ -132,6 +132,53 @@ def launch_ranks(script: str, args: list[str], world: int, port: int, timeout: f
     raise AssertionError(f"no free port for the process group after 3 tries (last {port})")
 
 
+@pytest.fixture
+def until_one_exits():
+    """:func:`launch_until_one_exits` on a fresh free port each call."""
+    return lambda command, world, env_by_rank, timeout=300: launch_until_one_exits(
+        command, world, _free_port(), env_by_rank, timeout)
+
+
+def launch_until_one_exits(command: list[str], world: int, port: int, env_by_rank: list[dict[str, str]],
+                           timeout: float = 300) -> list[tuple[int, str]]:
+    """Run ``command`` as ``world`` ranks of a Lightning DDP run (launcher variables set,
+    rank ``r`` with ``env_by_rank[r]`` added) until every rank has exited, or one has
+    failed: then the others are killed too, as a job whose node died would be. Returns
+    each rank's ``(exit code, stderr tail)``. The port is not retried: tests that launch
+    several runs take a fresh one per run."""
+    import os
+    import subprocess
+    import tempfile
+    import time
+
+    base = dict(os.environ, PYTHONWARNINGS="ignore", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                WORLD_SIZE=str(world), NODE_RANK="0")
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in range(world)]  # files: no pipe to fill and block on
+    procs = [subprocess.Popen(command, env=dict(base, LOCAL_RANK=str(r), RANK=str(r), **env_by_rank[r]),
+                              stdout=subprocess.DEVNULL, stderr=logs[r], text=True) for r in range(world)]
+    deadline, timed_out = time.monotonic() + timeout, True
+    try:
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
+                timed_out = False
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    out = []
+    for p, log in zip(procs, logs):
+        log.seek(0)
+        out.append((p.returncode, log.read()[-3000:]))
+        log.close()
+    if timed_out:
+        raise AssertionError(f"ranks still ran after the {timeout:.0f} s deadline: {out}")
+    return out
+
+
 class _PortTaken(Exception):
     pass
 

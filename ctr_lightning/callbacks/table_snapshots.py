@@ -34,7 +34,11 @@ class TableSnapshots(Callback):
     any more (top-k rotation) are deleted, except the one of the current rows; snapshots
     of earlier runs are never touched. A checkpoint saved by hand elsewhere
     (``trainer.save_checkpoint("x.ckpt")``) does not protect its snapshot: save it into a
-    ModelCheckpoint directory. One process for now.
+    ModelCheckpoint directory.
+
+    Under DDP with sharded tables every rank writes the rows it owns into the same
+    snapshot (so the checkpoint directory must be one all ranks see, as Lightning's is),
+    and rank 0 writes its manifest; a checkpoint of W ranks resumes on any number of ranks.
 
     Example::
 

@@ -43,15 +43,21 @@ def test_resumed_run_sees_exactly_the_remaining_examples(tmp_path, num_workers):
     path = next((tmp_path / "ckpt").glob("*step=13*.ckpt"))
     assert len(first.seen) == 13 * 100
 
+    # The resumed run dies too, at its own checkpoint, which must count the batches of
+    # both runs; a third run resumes from it.
     second = SeenExamples()
-    trainer(tmp_path, [second], max_epochs=1).fit(model(), datamodule=datamodule(), ckpt_path=str(path))
+    trainer(tmp_path, [second, ckpt], max_steps=26).fit(model(), datamodule=datamodule(), ckpt_path=str(path))
+    path = next((tmp_path / "ckpt").glob("*step=26*.ckpt"))
+    third = SeenExamples()
+    trainer(tmp_path, [third], max_epochs=1).fit(model(), datamodule=datamodule(), ckpt_path=str(path))
 
     everything = SeenExamples()
     trainer(tmp_path, [everything], max_epochs=1).fit(model(), datamodule=datamodule())
     assert len(everything.seen) == 3700
-    assert len(first.seen) + len(second.seen) == 3700  # none lost, none repeated
-    assert sorted(first.seen + second.seen) == sorted(everything.seen)
-    assert not set(first.seen) & set(second.seen)
+    assert len(second.seen) == 13 * 100
+    assert len(first.seen) + len(second.seen) + len(third.seen) == 3700  # none lost, none repeated
+    assert sorted(first.seen + second.seen + third.seen) == sorted(everything.seen)
+    assert not set(first.seen) & set(second.seen) and not set(second.seen) & set(third.seen)
 
 
 def test_mid_epoch_resume_with_another_layout_is_a_clear_error(tmp_path):
