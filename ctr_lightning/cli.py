@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import sys
 from pathlib import Path
 from argparse import RawDescriptionHelpFormatter
 from typing import Any
@@ -90,6 +91,8 @@ def _datamodule_help() -> str:
     for cls in (CriteoDataModule, SyntheticCriteoDataModule, AvazuDataModule, ParquetDataModule,
                 SyntheticStreamDataModule):
         lines.append(f"  {cls.__name__}: " + ", ".join(f"--data.{a}" for a in _init_arguments(cls)))
+    lines.append("Also: ctr-lightning export --ckpt_path PATH --out DIR writes a checkpoint's model for serving "
+                 "(Parquet tables, safetensors dense part).")
     return "\n".join(lines)
 
 
@@ -108,6 +111,12 @@ def _init_arguments(cls: type) -> list[str]:
 
 
 def main(args: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["export"]:  # not a Trainer method: a command of its own
+        from ctr_lightning.serving_export import main as export_main
+
+        export_main(argv[1:])
+        return
     # torchrec's KJT asks torch.fx whether it is tracing, which warns once per process.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     # fbgemm_gpu logs INFO lines through the root logger, whose implicit basicConfig() then

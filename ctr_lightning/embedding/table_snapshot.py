@@ -42,8 +42,8 @@ class SnapshotFile:
 @dataclass(frozen=True)
 class SnapshotManifest:
     """What a complete snapshot holds: its files, the tables (name, dim, row width,
-    ``num_embeddings``), each table's optimizer step count, and who wrote it: the number
-    of ranks and each table's sharding."""
+    ``num_embeddings``, initializer seed), each table's optimizer step count, and who
+    wrote it: the number of ranks and each table's sharding."""
 
     format: str
     world_size: int
@@ -130,8 +130,9 @@ def write_shard(engine, directory: str | os.PathLike, rank: int = 0, chunk_rows:
         for local, table in enumerate(group.names):
             step_counts[table] = int(group.steps[local]) if steps is None else int(steps[table])
             config = group.tables[local]
+            # With the seed, a reader can recompute the rows never stored (initial_rows).
             tables[table] = {"dim": config.embedding_dim, "width": group.width,
-                             "num_embeddings": config.num_embeddings}
+                             "num_embeddings": config.num_embeddings, "seed": int(group.tiers.seed)}
     return ShardFiles(files, step_counts, tables)
 
 

@@ -1,0 +1,210 @@
+"""A trained model for serving, from a Lightning checkpoint: tables as Parquet, the dense
+part as safetensors, and ``export.json`` describing both.
+
+Layout of ``out``::
+
+    export.json                        format, model class and hyperparameters, tables, files
+    dense.safetensors                  every tensor of the state dict but the tables
+    tables/<table>/part-00000.parquet  columns table (string), id (int64), vector (float32[dim])
+
+Only the weights of a row are exported (no optimizer state), each stored row once. Rows
+never stored were never trained; their value in the trained model is its initial one,
+``initial_rows(seed, table_key(table), id, dim, sqrt(1 / num_embeddings))`` from
+:mod:`ctr_lightning.embedding.initializer` (``export.json`` holds seed and
+num_embeddings), or whatever default a server prefers. The rows stream from the
+checkpoint's table snapshot (or from its in-file tables) a chunk at a time, so memory
+stays constant whatever the tables' size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+import ctr_lightning  # noqa: F401 - registers the config classes a checkpoint may hold
+from ctr_lightning.embedding.row_files import file_sha256, read_row_file
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest, verify
+
+FORMAT = "ctr-lightning-export-1"
+
+
+def _table_chunks(extra: dict[str, Any], chunk_rows: int) -> tuple[dict[str, dict[str, int]],
+                                                                   Iterator[tuple[str, np.ndarray, torch.Tensor]]]:
+    """The tables of one collection's extra state and ``(table, ids, rows)`` chunks of them."""
+    if "snapshot" in extra:
+        directory = Path(extra["snapshot"])
+        manifest = SnapshotManifest.read(directory)
+        if manifest.sha256() != extra["manifest_sha256"]:
+            raise ValueError(f"table snapshot {directory}: its manifest is not the one the checkpoint refers to")
+        verify(directory, manifest)
+
+        def from_files() -> Iterator[tuple[str, np.ndarray, torch.Tensor]]:
+            for f in manifest.files:
+                for names, tables, ids, rows in read_row_file(directory / f.name, f.width):
+                    for code, name in enumerate(names):
+                        mine = np.flatnonzero(tables == code)
+                        if len(mine):
+                            yield name, ids[mine], rows[torch.from_numpy(mine)]
+
+        return manifest.tables, from_files()
+    if "tables" not in extra:
+        raise KeyError("the checkpoint's table collection holds neither a snapshot reference nor tables")
+    state = extra["tables"]
+
+    def from_state() -> Iterator[tuple[str, np.ndarray, torch.Tensor]]:
+        for name, table in state.items():
+            for start in range(0, len(table["ids"]), chunk_rows):
+                yield name, table["ids"][start : start + chunk_rows].numpy(), table["rows"][start : start + chunk_rows]
+
+    # In-file tables carry no config; the dim comes from the model's hyperparameters.
+    return {name: {} for name in state}, from_state()
+
+
+class _TableWriter:
+    """Parquet files of one table, a new file every ``rows_per_file`` rows."""
+
+    def __init__(self, directory: Path, name: str, dim: int, rows_per_file: int) -> None:
+        self.directory, self.name, self.dim, self.rows_per_file = directory, name, dim, rows_per_file
+        self.schema = pa.schema([("table", pa.string()), ("id", pa.int64()),
+                                 ("vector", pa.list_(pa.float32(), dim))])
+        self.files: list[dict[str, Any]] = []
+        self._writer: pq.ParquetWriter | None = None
+        self._in_file = 0
+        self.rows = 0
+
+    def write(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+        start = 0
+        while start < len(ids):
+            if self._writer is None:
+                path = self.directory / f"part-{len(self.files):05d}.parquet"
+                self._writer = pq.ParquetWriter(path, self.schema)
+                self.files.append({"path": str(path), "rows": 0})
+                self._in_file = 0
+            n = min(len(ids) - start, self.rows_per_file - self._in_file)
+            flat = pa.array(np.ascontiguousarray(vectors[start : start + n], dtype=np.float32).reshape(-1))
+            batch = pa.record_batch([pa.array([self.name] * n, pa.string()), pa.array(ids[start : start + n]),
+                                     pa.FixedSizeListArray.from_arrays(flat, self.dim)], schema=self.schema)
+            self._writer.write_batch(batch)
+            self._in_file += n
+            self.files[-1]["rows"] += n
+            self.rows += n
+            start += n
+            if self._in_file == self.rows_per_file:
+                self.close()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, rows_per_file: int = 1 << 20,
+                       chunk_rows: int = 1 << 16) -> dict[str, Any]:
+    """Write the model of ``ckpt_path`` to ``out`` (see the module's docstring); returns
+    what ``export.json`` holds. ``out`` must be empty or not exist.
+
+    Example::
+
+        export_for_serving("runs/demo/version_0/checkpoints/last.ckpt", "serving/v1")
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"export: {out} is not empty; export into a new directory")
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    state = ckpt["state_dict"]
+    extras = {k: v for k, v in state.items() if k.endswith("_extra_state") and isinstance(v, dict)}
+    if not extras:
+        raise KeyError(f"export: {ckpt_path} holds no table collection (no '*_extra_state' in its state dict)")
+    # One collection may be reachable under several names (DLRMModule: embeddings, and
+    # torchrec's DLRM sparse arch): export it once.
+    collections: dict[str, dict[str, Any]] = {}
+    for key, extra in extras.items():
+        identity = extra.get("snapshot") or ",".join(sorted(extra.get("tables", {})))
+        collections.setdefault(identity, extra)
+    hparams = dict(ckpt.get("hyper_parameters") or {})
+    (out / "tables").mkdir(parents=True)
+
+    tables_out: dict[str, dict[str, Any]] = {}
+    for extra in collections.values():
+        configs, chunks = _table_chunks(extra, chunk_rows)
+        writers: dict[str, _TableWriter] = {}
+        for name, ids, rows in chunks:
+            if name not in writers:
+                dim = int(configs.get(name, {}).get("dim") or hparams["embedding_dim"])
+                (out / "tables" / name).mkdir()
+                writers[name] = _TableWriter(out / "tables" / name, name, dim, rows_per_file)
+            writers[name].write(ids, rows[:, : writers[name].dim].numpy())
+        for name, config in configs.items():
+            writer = writers.get(name)
+            if writer is not None:
+                writer.close()
+            tables_out[name] = {
+                "dim": int(config.get("dim") or hparams["embedding_dim"]),
+                "num_embeddings": int(config.get("num_embeddings") or hparams.get("num_embeddings", 0)),
+                "seed": int(config.get("seed", hparams.get("seed", 0))),
+                "rows": writer.rows if writer else 0,
+                "files": [{"path": str(Path(f["path"]).relative_to(out)), "rows": f["rows"],
+                           "sha256": file_sha256(f["path"])} for f in (writer.files if writer else [])],
+            }
+
+    dense = {k: v.detach().clone().contiguous() for k, v in state.items()
+             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    save_file(dense, str(out / "dense.safetensors"))
+    description = {
+        "format": FORMAT,
+        "checkpoint": str(Path(ckpt_path).resolve()),
+        "global_step": ckpt.get("global_step"),
+        "hyper_parameters": _plain(hparams),
+        "dense": {"path": "dense.safetensors", "sha256": file_sha256(out / "dense.safetensors"),
+                  "tensors": len(dense)},
+        "tables": tables_out,
+        "unstored_rows": "initial_rows(seed, table_key(table), id, dim, sqrt(1 / num_embeddings)) "
+                         "of ctr_lightning.embedding.initializer",
+    }
+    partial = out / "export.json.partial"
+    partial.write_text(json.dumps(description, indent=1, sort_keys=True))
+    os.replace(partial, out / "export.json")  # last: the export is complete once it is there
+    return description
+
+
+def _plain(value: Any) -> Any:
+    """Hyperparameters as JSON: config dataclasses and tuples become dicts and lists."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``ctr-lightning export --ckpt_path PATH --out DIR``."""
+    parser = argparse.ArgumentParser(
+        prog="ctr-lightning export",
+        description="Write a checkpoint's model for serving: tables as Parquet (table, id, vector), the dense "
+                    "part as safetensors, export.json describing both.")
+    parser.add_argument("--ckpt_path", required=True, help="a .ckpt written by ctr-lightning fit")
+    parser.add_argument("--out", required=True, help="a new, empty directory")
+    parser.add_argument("--rows_per_file", type=int, default=1 << 20, help="rows per Parquet file")
+    args = parser.parse_args(argv)
+    description = export_for_serving(args.ckpt_path, args.out, rows_per_file=args.rows_per_file)
+    rows = sum(t["rows"] for t in description["tables"].values())
+    print(f"exported {len(description['tables'])} tables ({rows:,} rows) and {description['dense']['tensors']} "
+          f"dense tensors to {args.out}")
+
