@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
 from ctr_lightning.callbacks.tiered_collections import tiered_collections
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest
 from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
 
 
@@ -20,6 +21,23 @@ def snapshot_references(state_dict: dict[str, Any]) -> set[str]:
     """Snapshot directories a checkpoint's state dict refers to."""
     return {str(v["snapshot"]) for k, v in state_dict.items()
             if k.endswith("_extra_state") and isinstance(v, dict) and "snapshot" in v}
+
+
+def with_ancestors(snapshots: set[str]) -> set[str]:
+    """The snapshots and every snapshot an incremental one among them builds on."""
+    out, todo = set(), list(snapshots)
+    while todo:
+        path = todo.pop()
+        if path in out:
+            continue
+        out.add(path)
+        try:
+            parent = SnapshotManifest.read(path).parent
+        except (OSError, ValueError):
+            continue  # gone or incomplete: it has no ancestors to keep
+        if parent is not None:
+            todo.append(parent.path)
+    return out
 
 
 class TableSnapshots(Callback):
@@ -36,6 +54,11 @@ class TableSnapshots(Callback):
     (``trainer.save_checkpoint("x.ckpt")``) does not protect its snapshot: save it into a
     ModelCheckpoint directory.
 
+    Saves are incremental: a snapshot holds the rows changed since the previous one (dirty
+    rows of the memory tiers, SSD records written since) and names it as its parent;
+    every ``full_every``-th save holds every row again. A snapshot some kept checkpoint's
+    snapshot builds on is never deleted.
+
     Under DDP with sharded tables every rank writes the rows it owns into the same
     snapshot (so the checkpoint directory must be one all ranks see, as Lightning's is),
     and rank 0 writes its manifest; a checkpoint of W ranks resumes on any number of ranks.
@@ -45,8 +68,11 @@ class TableSnapshots(Callback):
         Trainer(callbacks=[ModelCheckpoint(every_n_train_steps=1000, save_top_k=3), TableSnapshots()])
     """
 
-    def __init__(self, root: str | None = None) -> None:
+    def __init__(self, root: str | None = None, full_every: int = 8) -> None:
+        if full_every < 1:
+            raise ValueError(f"TableSnapshots: full_every must be >= 1, got {full_every}")
         self.root = Path(root) if root is not None else None
+        self.full_every = full_every
         self._collections: list[TieredEmbeddingBagCollection] = []
 
     def _checkpoint_files(self, trainer: pl.Trainer) -> list[Path] | None:
@@ -63,7 +89,7 @@ class TableSnapshots(Callback):
             dirs = [c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
             self.root = Path(dirs[0] if dirs else trainer.default_root_dir) / "table_snapshots"
         for collection in self._collections:
-            collection.checkpoint_to_snapshots(self.root)
+            collection.checkpoint_to_snapshots(self.root, self.full_every)
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
@@ -90,6 +116,8 @@ class TableSnapshots(Callback):
             current = collection.current_snapshot()
             if current is not None:
                 keep.add(str(current))
+        keep = with_ancestors(keep)
+        for collection in self._collections:
             kept = []
             for snapshot in collection.snapshots_written:
                 if str(snapshot) in keep:

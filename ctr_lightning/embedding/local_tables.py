@@ -17,7 +17,7 @@ from ctr_lightning.embedding.engine import TableEngine, TableState
 from ctr_lightning.embedding.table_checks import align_features
 from ctr_lightning.embedding.table_group import TableGroup
 from ctr_lightning.embedding.table_setup import TableSetup
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest, load_tables, save_tables
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest, SnapshotRef, load_tables, save_tables
 
 
 class LocalTables(TableEngine):
@@ -142,8 +142,8 @@ class LocalTables(TableEngine):
                              "steps": int(state["steps"][local])}
         return out
 
-    def save_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
-        return save_tables(self, directory)
+    def save_snapshot(self, directory: str | os.PathLike, parent: SnapshotRef | None = None) -> SnapshotManifest:
+        return save_tables(self, directory, parent=parent)
 
     def load_snapshot(self, directory: str | os.PathLike,
                       keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> SnapshotManifest:

@@ -103,6 +103,8 @@ class DirectSsdStore(RecordFile):
         super().__init__(directory, name, width, table_names)
         self.base = np.concatenate([[0], np.cumsum(num_embeddings)[:-1]]).astype(np.int64)
         self.version = np.zeros(int(np.sum(num_embeddings)), dtype=np.uint32)
+        # Records written since the last mark(); calloc'ed too, so pages only where written.
+        self.changed = np.zeros(len(self.version), dtype=bool)
         self.clears = 0
 
     def __len__(self) -> int:
@@ -163,11 +165,26 @@ class DirectSsdStore(RecordFile):
             # Bumped after the data: a read racing the write sees a new version later.
             version = self.version[records] + np.uint32(1)
             self.version[records] = np.where(version == 0, np.uint32(1), version)
+            self.changed[records] = True
         return records, Relocated()
+
+    def mark(self) -> int:
+        """From now on :meth:`entries_since` gives the rows written after this call."""
+        with self.lock:
+            self.changed = np.zeros(len(self.version), dtype=bool)
+            return self.clears
+
+    def entries_since(self, mark: int, chunk_records: int = 1 << 16):
+        """As :meth:`entries`, for the rows written since the last :meth:`mark` (all of
+        them after a :meth:`clear` since)."""
+        records = np.flatnonzero(self.changed if mark == self.clears else self.version)
+        yield from self._entries(records, chunk_records)
 
     def entries(self, chunk_records: int = 1 << 16):
         """Every stored ``(tables, ids, rows)``, a chunk at a time."""
-        records = np.flatnonzero(self.version)
+        yield from self._entries(np.flatnonzero(self.version), chunk_records)
+
+    def _entries(self, records: np.ndarray, chunk_records: int):
         for start in range(0, len(records), chunk_records):
             part = records[start : start + chunk_records]
             tables = np.searchsorted(self.base, part, side="right") - 1
@@ -177,4 +194,5 @@ class DirectSsdStore(RecordFile):
         with self.lock:
             os.ftruncate(self.fd, 0)
             self.version = np.zeros_like(self.version)
+            self.changed = np.zeros_like(self.changed)
             self.clears += 1

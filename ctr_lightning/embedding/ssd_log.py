@@ -47,6 +47,7 @@ class _Segment:
     path: Path
     fd: int
     generation: int  # counts the reuses of this number, so a location names one copy of a row, ever
+    serial: int  # order of creation among all segments: records of later serials were written later
     written: int = 0  # records appended
     live: int = 0  # records the index points at
     pins: int = 0  # readers holding its descriptor (a prefetch thread)
@@ -113,6 +114,7 @@ class SsdLog:
         self.segments: dict[int, _Segment] = {}
         self._free_numbers: list[int] = []
         self._generations: dict[int, int] = {}
+        self._serials = 0
         self._active: _Segment | None = None
         self._cleaning: tuple[int, int] | None = None  # (segment, next slot) of a cleaning under way
         self.bytes_written = self.bytes_read = 0
@@ -178,7 +180,8 @@ class SsdLog:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise self._fail("creating", path, e.errno) from e
-        segment = _Segment(number, path, fd, generation)
+        segment = _Segment(number, path, fd, generation, self._serials)
+        self._serials += 1
         self.segments[number] = segment
         return segment
 
@@ -399,16 +402,34 @@ class SsdLog:
         with self.lock:
             numbers = sorted(n for n, s in self.segments.items() if not s.retired)
         for number in numbers:
-            segment = self.segments[number]
-            for slot in range(0, segment.written, chunk_records):
-                with self.lock:
-                    slots = np.arange(slot, min(slot + chunk_records, segment.written), dtype=np.int64)
-                    locations = number * self.segment_records + slots
-                    records = self._read_records(locations, {number: segment.fd})
-                    tables, ids = self._headers(records)
-                    live = self.index.is_current(tables, ids, locations)
-                if live.any():
-                    yield tables[live], ids[live], np.ascontiguousarray(records[live, _HEADER:])
+            yield from self._segment_entries(number, 0, chunk_records)
+
+    def _segment_entries(self, number: int, first_slot: int, chunk_records: int):
+        segment = self.segments[number]
+        for slot in range(first_slot, segment.written, chunk_records):
+            with self.lock:
+                slots = np.arange(slot, min(slot + chunk_records, segment.written), dtype=np.int64)
+                locations = number * self.segment_records + slots
+                records = self._read_records(locations, {number: segment.fd})
+                tables, ids = self._headers(records)
+                live = self.index.is_current(tables, ids, locations)
+            if live.any():
+                yield tables[live], ids[live], np.ascontiguousarray(records[live, _HEADER:])
+
+    def mark(self) -> tuple[int, int]:
+        """Where the log ends now: :meth:`entries_since` gives the records written after."""
+        with self.lock:
+            active = self._active
+            return (active.serial, active.written) if active is not None else (self._serials, 0)
+
+    def entries_since(self, mark: tuple[int, int], chunk_records: int = 1 << 16):
+        """As :meth:`entries`, for the rows whose current record was written after ``mark``
+        (every row written since, and some older ones a cleaning moved since)."""
+        serial, written = mark
+        with self.lock:
+            numbers = sorted((s.serial, n) for n, s in self.segments.items() if not s.retired and s.serial >= serial)
+        for segment_serial, number in numbers:
+            yield from self._segment_entries(number, written if segment_serial == serial else 0, chunk_records)
 
     def clear(self) -> None:
         with self.lock:

@@ -40,6 +40,14 @@ class SnapshotFile:
 
 
 @dataclass(frozen=True)
+class SnapshotRef:
+    """A complete snapshot: its directory and the SHA-256 of its manifest."""
+
+    path: str
+    manifest_sha256: str
+
+
+@dataclass(frozen=True)
 class SnapshotManifest:
     """What a complete snapshot holds: its files, the tables (name, dim, row width,
     ``num_embeddings``, initializer seed), each table's optimizer step count, and who
@@ -53,6 +61,9 @@ class SnapshotManifest:
     # Per table, how the saving ranks split it ({"kind", "owner"}); empty from one process.
     # Loading does not need it (every row file names its tables and ids): it is a record.
     sharding: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # An incremental snapshot holds the rows changed since its parent's; the rest are the
+    # parent's (and its parent's...). None: it holds every row.
+    parent: SnapshotRef | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -72,7 +83,25 @@ class SnapshotManifest:
             raise ValueError(f"{path}: format {data.get('format')!r}, expected {FORMAT!r}")
         return cls(format=data["format"], world_size=int(data["world_size"]), tables=data["tables"],
                    steps={k: int(v) for k, v in data["steps"].items()},
-                   files=[SnapshotFile(**f) for f in data["files"]], sharding=data.get("sharding", {}))
+                   files=[SnapshotFile(**f) for f in data["files"]], sharding=data.get("sharding", {}),
+                   parent=SnapshotRef(**data["parent"]) if data.get("parent") else None)
+
+    def chain(self, directory: str | os.PathLike) -> list[tuple[Path, SnapshotManifest]]:
+        """This snapshot and its ancestors, newest first, each parent checked to be the
+        one its child was saved over."""
+        out = [(Path(directory), self)]
+        while out[-1][1].parent is not None:
+            ref = out[-1][1].parent
+            try:
+                parent = SnapshotManifest.read(ref.path)
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"table snapshot {out[-1][0]} is incremental over {ref.path}, which is "
+                                        f"gone or incomplete: {e}") from e
+            if parent.sha256() != ref.manifest_sha256:
+                raise ValueError(f"table snapshot {out[-1][0]} is incremental over {ref.path}, whose manifest is "
+                                 f"not the one it was saved over")
+            out.append((Path(ref.path), parent))
+        return out
 
 
 def write_manifest(directory: str | os.PathLike, manifest: SnapshotManifest) -> None:
@@ -116,14 +145,15 @@ def prepare_directory(directory: str | os.PathLike) -> Path:
 
 
 def write_shard(engine, directory: str | os.PathLike, rank: int = 0, chunk_rows: int = 1 << 16,
-                steps: dict[str, int] | None = None) -> ShardFiles:
+                steps: dict[str, int] | None = None, changed_only: bool = False) -> ShardFiles:
     """Stream every row a :class:`LocalTables` engine holds into ``directory`` (one file per
-    table group, named for ``rank``); ``steps`` overrides the engine's step counts."""
+    table group, named for ``rank``), or with ``changed_only`` those that may have changed
+    since the engine's last snapshot; ``steps`` overrides the engine's step counts."""
     files, step_counts, tables = [], {}, {}
     for g, group in enumerate(engine.groups):
         name = f"rank{rank}-group{g}.rows"
         with RowFileWriter(Path(directory) / name, group.names, group.width) as out:
-            for t, i, rows in group.tiers.export_chunks(chunk_rows):
+            for t, i, rows in group.tiers.export_chunks(chunk_rows, changed_only=changed_only):
                 out.write(t, i, rows)
         files.append(SnapshotFile(name, out.size, out.sha256, group.width,
                                   dict(zip(group.names, out.rows_per_table))))
@@ -136,7 +166,8 @@ def write_shard(engine, directory: str | os.PathLike, rank: int = 0, chunk_rows:
     return ShardFiles(files, step_counts, tables)
 
 
-def join_shards(parts: list[ShardFiles], sharding: dict[str, dict[str, Any]] | None = None) -> SnapshotManifest:
+def join_shards(parts: list[ShardFiles], sharding: dict[str, dict[str, Any]] | None = None,
+                parent: SnapshotRef | None = None) -> SnapshotManifest:
     """The manifest of a snapshot written by ``len(parts)`` ranks, in rank order. A table's
     step count is the largest any rank holds (a rank that never saw the table has none)."""
     steps: dict[str, int] = {}
@@ -147,16 +178,28 @@ def join_shards(parts: list[ShardFiles], sharding: dict[str, dict[str, Any]] | N
         tables.update(part.tables)
     files = [f for part in parts for f in part.files]
     return SnapshotManifest(FORMAT, world_size=len(parts), tables=tables, steps=steps, files=files,
-                            sharding=dict(sharding or {}))
+                            sharding=dict(sharding or {}), parent=parent)
 
 
-def save_tables(engine, directory: str | os.PathLike, chunk_rows: int = 1 << 16) -> SnapshotManifest:
+def save_tables(engine, directory: str | os.PathLike, chunk_rows: int = 1 << 16,
+                parent: SnapshotRef | None = None) -> SnapshotManifest:
     """Write every row of a :class:`LocalTables` engine to ``directory`` (one file per table
-    group), then the manifest. ``directory`` must not hold a snapshot already."""
+    group), then the manifest. With ``parent`` (the engine's last snapshot, saved or
+    loaded) only the rows changed since are written. ``directory`` must not hold a
+    snapshot already."""
     directory = prepare_directory(directory)
-    manifest = join_shards([write_shard(engine, directory, 0, chunk_rows)])
+    manifest = join_shards([write_shard(engine, directory, 0, chunk_rows, changed_only=parent is not None)],
+                           parent=parent)
     write_manifest(directory, manifest)
+    mark_saved(engine)
     return manifest
+
+
+def mark_saved(engine) -> None:
+    """The engine's rows are those of the snapshot just saved or loaded: incremental saves
+    start from here."""
+    for group in engine.groups:
+        group.tiers.mark_saved()
 
 
 def verify(directory: str | os.PathLike, manifest: SnapshotManifest) -> None:
@@ -194,23 +237,28 @@ def load_tables(engine, directory: str | os.PathLike,
         if engine.groups[g].tiers.bounded[local] and saved["num_embeddings"] > t.num_embeddings:
             raise ValueError(f"table {t.name!r}: snapshot of {saved['num_embeddings']} rows (num_embeddings) does "
                              f"not fit a bounded table of {t.num_embeddings}")
-    verify(directory, manifest)
+    chain = manifest.chain(directory)
+    for path, member in chain:
+        verify(path, member)
     for group in engine.groups:
         group.tiers.begin_load()
-    for f in manifest.files:
-        for names, tables, ids, rows in read_row_file(Path(directory) / f.name, f.width):
-            for code, name in enumerate(names):
-                if name not in engine.table_of_name:
-                    continue  # a table this collection does not have
-                mine = tables == code
-                table_ids, table_rows = ids[mine], rows[torch.from_numpy(np.flatnonzero(mine))]
-                if keep is not None:
-                    kept = keep(name, torch.from_numpy(table_ids)).numpy()
-                    table_ids, table_rows = table_ids[kept], table_rows[torch.from_numpy(np.flatnonzero(kept))]
-                g, local = engine.table_of_name[name]
-                if len(table_ids):
-                    engine.groups[g].tiers.load_chunk(np.full(len(table_ids), local, dtype=np.int64), table_ids,
-                                                      table_rows)
+    # Newest first: a row an incremental snapshot holds replaces its ancestors' copies.
+    for depth, (path, member) in enumerate(chain):
+        for f in member.files:
+            for names, tables, ids, rows in read_row_file(path / f.name, f.width):
+                for code, name in enumerate(names):
+                    if name not in engine.table_of_name:
+                        continue  # a table this collection does not have
+                    mine = tables == code
+                    table_ids, table_rows = ids[mine], rows[torch.from_numpy(np.flatnonzero(mine))]
+                    if keep is not None:
+                        kept = keep(name, torch.from_numpy(table_ids)).numpy()
+                        table_ids, table_rows = table_ids[kept], table_rows[torch.from_numpy(np.flatnonzero(kept))]
+                    g, local = engine.table_of_name[name]
+                    if len(table_ids):
+                        engine.groups[g].tiers.load_chunk(np.full(len(table_ids), local, dtype=np.int64), table_ids,
+                                                          table_rows, older=depth > 0)
     for group in engine.groups:
         group.steps = np.array([manifest.steps[name] for name in group.names], dtype=np.int64)
+    mark_saved(engine)
     return manifest

@@ -6,7 +6,7 @@ import math
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -73,6 +73,7 @@ class TierStack:
         self._pending: tuple[Future, Rows] | None = None
         self._unwritten: Rows | None = None  # rows a failed write left here, still readable
         self._failed: BaseException | None = None  # that failure: no training (no writes) after it
+        self._saved_mark: Any = None  # where the SSD tier stood at the last snapshot (None: none yet)
 
     def counters(self) -> dict[str, int]:
         """Microseconds spent making room in the device tier (choosing victims, handing
@@ -353,18 +354,26 @@ class TierStack:
         return (np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks]),
                 torch.cat([c[2] for c in chunks]))
 
-    def export_chunks(self, chunk_rows: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
+    def export_chunks(self, chunk_rows: int = 1 << 16,
+                      changed_only: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
         """Every stored row once, its freshest copy, a chunk at a time: the memory tiers'
         rows first, then the SSD records no copy in memory shadows. Memory held: one chunk
-        and the keys of the memory tiers, not the table."""
+        and the keys of the memory tiers, not the table.
+
+        With ``changed_only`` (after :meth:`mark_saved`), a superset of the rows changed
+        since the mark: dirty rows of the memory tiers and SSD records written since. A
+        clean row in memory is a copy of its SSD record, so one of the two is included if
+        it changed. Without an SSD tier every row is exported."""
         self.drain()
+        changed_only = changed_only and self.ssd is not None and self._saved_mark is not None
         shadow = KeyIndex()
         parts: list[Rows] = []
         device_rows = self.device_tier.entries()
         parts.append(device_rows if self.host_tier is None and self.ssd is None
                      else device_rows.select(device_rows.dirty))
         if self.host_tier is not None:
-            parts.append(self.host_tier.entries())
+            host_rows = self.host_tier.entries()
+            parts.append(host_rows.select(host_rows.dirty) if changed_only else host_rows)
         # After the host tier: a failed write may hold an older copy of a row the host took since.
         if self._unwritten is not None:
             parts.append(self._unwritten)
@@ -377,10 +386,18 @@ class TierStack:
                 yield tables[start : start + chunk_rows], ids[start : start + chunk_rows], values[
                     start : start + chunk_rows]
         if self.ssd is not None:
-            for tables, ids, data in self.ssd.entries(chunk_records=chunk_rows):
+            records = (self.ssd.entries_since(self._saved_mark, chunk_records=chunk_rows) if changed_only
+                       else self.ssd.entries(chunk_records=chunk_rows))
+            for tables, ids, data in records:
                 keep = shadow.lookup(tables, ids) < 0 if len(shadow) else np.ones(len(ids), dtype=bool)
                 if keep.any():
                     yield tables[keep], ids[keep], torch.from_numpy(data[keep])
+
+    def mark_saved(self) -> None:
+        """The stored rows are in a snapshot now (saved, or just loaded from one): the next
+        ``export_chunks(changed_only=True)`` starts from here."""
+        self.drain()
+        self._saved_mark = self.ssd.mark() if self.ssd is not None else None
 
     def begin_load(self) -> None:
         """Forget every stored row, before :meth:`load_chunk` calls."""
@@ -389,16 +406,28 @@ class TierStack:
         except OSError:
             pass  # a write that failed before: whatever it held is replaced now
         self._unwritten = self._failed = None
+        self._saved_mark = None
         self.device_tier.clear()
         if self.host_tier is not None:
             self.host_tier.clear()
         if self.ssd is not None:
             self.ssd.clear()
 
-    def load_chunk(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
+    def load_chunk(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor, older: bool = False) -> None:
         """Store rows (keys new since :meth:`begin_load`): on SSD when there is one, else in
-        memory."""
+        memory. With ``older``, rows of keys loaded already are skipped: they came from a
+        newer snapshot (loading a chain of incremental ones, newest first)."""
         self.check_ids(tables, ids)
+        if older and len(ids):
+            self.drain()
+            if self.ssd is not None:
+                present = self.ssd.read(tables, ids)[0]  # exact: the index alone may name a colliding key
+            else:
+                tier = self.host_tier if self.host_tier is not None else self.device_tier
+                present = tier.lookup(tables, ids) >= 0
+            if present.any():
+                keep = np.flatnonzero(~present)
+                tables, ids, rows = tables[keep], ids[keep], rows[torch.from_numpy(keep)]
         loaded = Rows(tables, ids, rows, np.ones(len(ids), dtype=bool))
         if self.ssd is not None:
             self._write_ssd(loaded)  # the memory tiers are empty: no copy to relocate

@@ -24,7 +24,7 @@ from ctr_lightning.embedding.sharding_plan import SHARDING_KINDS, TableSharding,
 from ctr_lightning.embedding.storage_config import StorageConfig
 from ctr_lightning.embedding.table_checks import check_tables
 from ctr_lightning.embedding.table_setup import TableSetup, check_kernel_device
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest
+from ctr_lightning.embedding.table_snapshot import MANIFEST, SnapshotManifest, SnapshotRef
 from ctr_lightning.strategies.merge_schedule import MergeSchedule
 
 DEFAULT_SYNC_EVERY = 16
@@ -123,6 +123,11 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._version = 0  # counts changes of the rows: one snapshot serves one state
         self._snapshot: tuple[int, dict[str, Any]] | None = None  # (version, its reference)
         self.snapshots_written: list[Path] = []  # by this process: TableSnapshots may delete them
+        # The snapshot the rows were last saved to or loaded from, how many incremental
+        # snapshots its chain holds, and after how many a checkpoint saves every row again.
+        self._base: SnapshotRef | None = None
+        self._chain_deltas = 0
+        self._full_every = 8
 
     def follow_merge_schedule(self, k: int, warmup_steps: int = 0) -> None:
         """Merge the replicas of ``sparse_sync="k_step"`` with a k-step strategy's ``k`` and
@@ -252,30 +257,50 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     # -- checkpoints ---------------------------------------------------------------------
 
-    def save_tables(self, directory: str | os.PathLike) -> SnapshotManifest:
+    def save_tables(self, directory: str | os.PathLike, incremental: bool = False) -> SnapshotManifest:
         """Write every row to a new snapshot in ``directory``, streaming from every tier (one
         chunk of rows in memory, not the table); the manifest, written last, completes it.
+
+        With ``incremental``, only the rows changed since the last snapshot this collection
+        saved or loaded are written, and the new snapshot names that one as its parent
+        (loading reads the chain); every ``full_every``-th save of a chain (see
+        :meth:`checkpoint_to_snapshots`) writes all rows again, so chains stay short.
         When sharded this is collective: each rank writes the rows it owns to its own
         files, and ``directory`` must be one every rank sees."""
-        return self._built().save_snapshot(directory)
+        parent = self._base if incremental and self._chain_deltas + 1 < self._full_every else None
+        if parent is not None and not (Path(parent.path) / MANIFEST).exists():
+            parent = None  # removed by hand: nothing to build on
+        manifest = self._built().save_snapshot(directory, parent)
+        self._base = SnapshotRef(str(Path(directory).resolve()), manifest.sha256())
+        self._chain_deltas = self._chain_deltas + 1 if parent is not None else 0
+        return manifest
 
     def load_tables(self, directory: str | os.PathLike) -> SnapshotManifest:
         """Replace every row by a snapshot's (checked against its manifest's checksums
-        first), streaming; the snapshot may come from any number of ranks and sharding,
-        and the storage budgets may differ from the saving run's. Each rank keeps the rows
-        it owns; not collective."""
+        first; an incremental one with its ancestors), streaming; the snapshot may come from
+        any number of ranks and sharding, and the storage budgets may differ from the
+        saving run's. Each rank keeps the rows it owns; not collective."""
         engine = self._built()
         # Whatever happens below, the rows are no longer those of an earlier snapshot.
         self._version += 1
         self._snapshot = None
-        return engine.load_snapshot(directory)
+        self._base = None
+        manifest = engine.load_snapshot(directory)
+        self._base = SnapshotRef(str(Path(directory).resolve()), manifest.sha256())
+        self._chain_deltas = len(manifest.chain(directory)) - 1
+        return manifest
 
-    def checkpoint_to_snapshots(self, root: str | os.PathLike | None) -> None:
+    def checkpoint_to_snapshots(self, root: str | os.PathLike | None, full_every: int = 8) -> None:
         """From now on the state dict (and so a Lightning checkpoint) holds a reference to a
         new table snapshot under ``root`` instead of the rows: saving streams the rows, at
-        the memory of one chunk, each rank its own. ``None``: rows in the state dict again.
-        The :class:`~ctr_lightning.callbacks.TableSnapshots` callback sets this up."""
+        the memory of one chunk, each rank its own, and only those changed since the
+        previous snapshot, except every ``full_every``-th (1: every save is full).
+        ``None``: rows in the state dict again. The
+        :class:`~ctr_lightning.callbacks.TableSnapshots` callback sets this up."""
+        if full_every < 1:
+            raise ValueError(f"full_every must be >= 1, got {full_every}")
         self._snapshot_root = Path(root) if root is not None else None
+        self._full_every = full_every
 
     def current_snapshot(self) -> Path | None:
         """The snapshot the state dict refers to now, if one was written for these rows."""
@@ -289,7 +314,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                 name = self._built().from_rank0(f"v{self._version:09d}-{uuid.uuid4().hex[:8]}")
                 directory = self._snapshot_root / name
                 self.snapshots_written.append(directory.resolve())
-                manifest = self.save_tables(directory)
+                manifest = self.save_tables(directory, incremental=True)
                 self._snapshot = (self._version, {"snapshot": str(directory.resolve()),
                                                   "manifest_sha256": manifest.sha256()})
             return dict(self._snapshot[1])
@@ -311,4 +336,5 @@ class TieredEmbeddingBagCollection(nn.Module):
             raise KeyError("checkpoint holds no 'tables' state for the TieredEmbeddingBagCollection")
         self._version += 1
         self._snapshot = None
+        self._base = None  # rows from the state dict: the next snapshot holds them all
         self._built().load(state["tables"])

@@ -125,3 +125,50 @@ def test_a_state_dict_refers_to_a_snapshot_of_the_rows_it_has_now(tmp_path):
     for t, ids in keys.items():
         assert torch.equal(ebc.rows(t, ids), trained(StorageConfig(), steps=10)[0].rows(t, ids)), t
     assert len(ebc.snapshots_written) == 2
+
+
+def full_state(ebc):
+    """Every stored row with its optimizer state, by table, in id order."""
+    out = {}
+    for name, table in ebc._built().export().items():
+        order = torch.argsort(table["ids"])
+        out[name] = (table["ids"][order], table["rows"][order], table["steps"])
+    return out
+
+
+@pytest.mark.parametrize("id_space", ["hashed", "bounded"])  # the SSD log, and the in-place SSD store
+def test_incremental_snapshots_hold_the_changed_rows_and_load_as_a_chain(tmp_path, id_space):
+    tiny = StorageConfig(device_rows=60, host_rows=40, ssd_dir=str(tmp_path / "a"), ssd_segment_bytes=4 << 10)
+    ebc, _ = trained(tiny, steps=120, id_space=id_space)
+    full = ebc.save_tables(tmp_path / "s0", incremental=True)  # nothing to build on yet: every row
+    assert full.parent is None
+    hot = list(growing_workload(4, bounded=id_space == "bounded"))  # rows stored long ago
+    chain = [full]
+    for n in (1, 2):
+        for kjt, target in hot:
+            loss_of(ebc(kjt), target).backward()
+        chain.append(ebc.save_tables(tmp_path / f"s{n}", incremental=True))
+        assert chain[-1].parent.path == str((tmp_path / f"s{n - 1}").resolve())
+    rows = [sum(sum(f.rows.values()) for f in m.files) for m in chain]
+    assert rows[1] < rows[0] / 4 and rows[2] < rows[0] / 4, rows  # the changed rows, not the table
+
+    for storage in (StorageConfig(), StorageConfig(device_rows=100, host_rows=0, ssd_dir=str(tmp_path / "b"))):
+        other = TieredEmbeddingBagCollection(TABLES, storage=storage, optimizer=SparseAdam(lr=0.05), id_space=id_space)
+        other.load_tables(tmp_path / "s2")  # s2, s1's changes under it, s0 under both
+        want, got = full_state(ebc), full_state(other)
+        assert want.keys() == got.keys()
+        for t in want:
+            assert torch.equal(want[t][0], got[t][0]) and torch.equal(want[t][1], got[t][1]), t
+            assert want[t][2] == got[t][2]
+    # A full save after a load, and an incremental one over what was loaded, load alike.
+    other.save_tables(tmp_path / "s3", incremental=True)
+    again = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05), id_space=id_space)
+    again.load_tables(tmp_path / "s3")
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(full_state(again).values(), full_state(ebc).values()))
+
+    # The chain is checked: a parent gone, or replaced, is named.
+    import shutil
+
+    shutil.rmtree(tmp_path / "s1")
+    with pytest.raises(FileNotFoundError, match=r"s2 is incremental over .*s1, which is gone"):
+        again.load_tables(tmp_path / "s2")

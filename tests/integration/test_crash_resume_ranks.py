@@ -53,7 +53,8 @@ def _config(tmp_path: Path, work: Path) -> Path:
 
 def _final(work: Path) -> dict:
     """The dense weights and optimizer state of the final checkpoint, and every table row
-    (with its Adam state) of the snapshot it names, by table and id."""
+    (with its Adam state) of the snapshot it names (through its chain of incremental
+    snapshots, newest copy first), by table and id."""
     ckpt = torch.load(work / "ckpt" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == STEPS
     state = dict(ckpt["state_dict"])
@@ -63,10 +64,11 @@ def _final(work: Path) -> dict:
     manifest = SnapshotManifest.read(snapshot)
     assert manifest.world_size == 2
     rows = {}
-    for f in manifest.files:
-        for names, tables, ids, values in read_row_file(snapshot / f.name, f.width):
-            for t, i, row in zip(tables.tolist(), ids.tolist(), values):
-                rows[names[t], i] = row
+    for path, member in manifest.chain(snapshot):
+        for f in member.files:
+            for names, tables, ids, values in read_row_file(path / f.name, f.width):
+                for t, i, row in zip(tables.tolist(), ids.tolist(), values):
+                    rows.setdefault((names[t], i), row)
     return {"dense": state, "optimizer": ckpt["optimizer_states"], "rows": rows, "steps": manifest.steps}
 
 

@@ -7,15 +7,16 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from ctr_lightning.callbacks import TableSnapshots
-from ctr_lightning.callbacks.table_snapshots import snapshot_references
+from ctr_lightning.callbacks.table_snapshots import snapshot_references, with_ancestors
 from ctr_lightning.datamodules import CriteoDataModule, write_synthetic_criteo
 from ctr_lightning.embedding import StorageConfig, TieredEmbeddingBagCollection
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest
 from ctr_lightning.models import DLRMModule
 
 STEPS, EVERY = 24, 6
 
 
-def fit(work, data, max_steps, ckpt_path=None, top_k=2):
+def fit(work, data, max_steps, ckpt_path=None, top_k=2, full_every=8):
     pl.seed_everything(0)
     model = DLRMModule(embedding_dim=8, num_embeddings=5000, dense_arch_layer_sizes=[16],
                        over_arch_layer_sizes=[16, 1],
@@ -23,7 +24,7 @@ def fit(work, data, max_steps, ckpt_path=None, top_k=2):
     checkpoints = ModelCheckpoint(dirpath=work / "ckpt", every_n_train_steps=EVERY, save_top_k=top_k, monitor="step",
                                   mode="max", save_last=True)
     trainer = pl.Trainer(accelerator="cpu", max_steps=max_steps, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[checkpoints, TableSnapshots()], default_root_dir=work)
+                         enable_model_summary=False, callbacks=[checkpoints, TableSnapshots(full_every=full_every)], default_root_dir=work)
     trainer.fit(model, datamodule=CriteoDataModule(train_paths=[str(data)], batch_size=64), ckpt_path=ckpt_path)
     return model
 
@@ -40,7 +41,7 @@ def final_rows(model):
 def test_checkpoints_reference_snapshots_rotate_them_and_resume_bit_exact(tmp_path):
     data = tmp_path / "day_0.tsv"
     write_synthetic_criteo(data, rows=STEPS * 64 + 500, seed=0)
-    full = fit(tmp_path / "full", data, STEPS)
+    full = fit(tmp_path / "full", data, STEPS, full_every=2)  # saves: full, incremental, full, incremental
     ckpts = sorted((tmp_path / "full" / "ckpt").glob("*.ckpt"))
     assert len(ckpts) == 3  # the top 2 by step and last.ckpt
     named = set()
@@ -50,13 +51,30 @@ def test_checkpoints_reference_snapshots_rotate_them_and_resume_bit_exact(tmp_pa
         assert len(refs) == 1 and not any("tables" in v for k, v in state.items() if k.endswith("_extra_state"))
         named |= refs
     snapshots = {str(p.resolve()) for p in (tmp_path / "full" / "ckpt" / "table_snapshots").iterdir()}
-    assert snapshots == named  # those of rotated-out checkpoints are gone, the kept ones' are there
-    assert all((p / "manifest.json").exists() for p in map(type(tmp_path), snapshots))
+    # Those of rotated-out checkpoints are gone, the kept ones' are there, with the full
+    # snapshot the last one builds on.
+    manifests = {p: SnapshotManifest.read(p) for p in snapshots}
+    assert snapshots == with_ancestors(named) and len(snapshots) == 2
+    last = snapshot_references(torch.load(tmp_path / "full" / "ckpt" / "last.ckpt", weights_only=True)["state_dict"])
+    parent = manifests[last.pop()].parent
+    assert parent is not None and parent.path in snapshots and manifests[parent.path].parent is None
 
     # A run stopped at a checkpoint, then resumed from it, ends where the full run does.
     fit(tmp_path / "part", data, STEPS // 2, top_k=-1)
     resumed = fit(tmp_path / "part", data, STEPS, ckpt_path=str(tmp_path / "part" / "ckpt" / "last.ckpt"), top_k=-1)
     a, b = final_rows(full), final_rows(resumed)
+    # The last snapshot of the resumed run is the third incremental one over the first:
+    # loaded through that chain, it holds the final rows too.
+    last = snapshot_references(torch.load(tmp_path / "part" / "ckpt" / "last.ckpt", weights_only=True)["state_dict"])
+    chain = SnapshotManifest.read(next(iter(last))).chain(next(iter(last)))
+    assert [m.parent is None for _, m in chain] == [False, False, False, True]
+    reloaded = DLRMModule(embedding_dim=8, num_embeddings=5000, dense_arch_layer_sizes=[16],
+                          over_arch_layer_sizes=[16, 1],
+                          storage=StorageConfig(device_rows=100, host_rows=0, ssd_dir=str(tmp_path / "reload")))
+    reloaded.embeddings.load_tables(next(iter(last)))
+    assert final_rows(reloaded).keys() == a.keys()
+    for name, (ids, rows, steps) in final_rows(reloaded).items():
+        assert torch.equal(ids, a[name][0]) and torch.equal(rows, a[name][1]) and steps == a[name][2], name
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name][0], b[name][0]) and torch.equal(a[name][1], b[name][1]), name

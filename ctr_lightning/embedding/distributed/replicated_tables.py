@@ -25,7 +25,7 @@ from ctr_lightning.embedding.key_index import KeyIndex, dedup
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
 from ctr_lightning.embedding.table_setup import TableSetup
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest, SnapshotRef
 from ctr_lightning.strategies.merge_schedule import MergeSchedule
 
 
@@ -240,13 +240,13 @@ class ReplicatedTables(TableEngine):
         self.shard.load(state, keep=self.owns)
         self._reset_replicas({name: int(s["steps"]) for name, s in state.items()})
 
-    def save_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
+    def save_snapshot(self, directory: str | os.PathLike, parent: SnapshotRef | None = None) -> SnapshotManifest:
         """Collective: merges, then each rank streams its owner shard to its own files (the
         step counts are the replicas', which count every training step)."""
         self.merge()
         steps = {name: int(group.steps[local]) for group in self.replica.groups
                  for local, name in enumerate(group.names)}
-        return save_shards(self.shard, directory, self.process_group, self.plan, steps=steps)
+        return save_shards(self.shard, directory, self.process_group, self.plan, steps=steps, parent=parent)
 
     def load_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
         manifest = self.shard.load_snapshot(directory, keep=self.owns)

@@ -19,7 +19,9 @@ from ctr_lightning.embedding.sharding_plan import TableSharding
 from ctr_lightning.embedding.table_snapshot import (
     ShardFiles,
     SnapshotManifest,
+    SnapshotRef,
     join_shards,
+    mark_saved,
     prepare_directory,
     write_manifest,
     write_shard,
@@ -28,28 +30,32 @@ from ctr_lightning.embedding.table_snapshot import (
 
 def save_shards(local: LocalTables, directory: str | os.PathLike, process_group: dist.ProcessGroup,
                 plan: Mapping[str, TableSharding], steps: dict[str, int] | None = None,
-                chunk_rows: int = 1 << 16) -> SnapshotManifest:
+                parent: SnapshotRef | None = None, chunk_rows: int = 1 << 16) -> SnapshotManifest:
     """Collective: this rank writes ``local``'s rows (``rank{r}-group{g}.rows``), the ranks
     exchange what they wrote (names, sizes, checksums: a few bytes, never rows), and rank 0
     writes the manifest. A failure on any rank (a full disk, say) raises on every rank,
     naming the rank and the cause, and no manifest is written, so the snapshot stays
-    incomplete and the previous one is what a resume finds."""
+    incomplete and the previous one is what a resume finds. With ``parent`` (the last
+    snapshot, saved or loaded, on every rank) each rank writes only its rows changed since."""
     rank = dist.get_rank(process_group)
     part, failure = None, None
     try:
-        part = write_shard(local, prepare_directory(directory), rank, chunk_rows, steps)
+        part = write_shard(local, prepare_directory(directory), rank, chunk_rows, steps,
+                           changed_only=parent is not None)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
         failure = e
     parts = _exchange((part, _describe(rank, failure)), process_group)
     _raise_any(directory, failure, [error for _, error in parts])
     shards: list[ShardFiles] = [p for p, _ in parts]
-    manifest = join_shards(shards, {t: {"kind": s.kind, "owner": s.owner} for t, s in sorted(plan.items())})
+    manifest = join_shards(shards, {t: {"kind": s.kind, "owner": s.owner} for t, s in sorted(plan.items())},
+                           parent)
     if rank == 0:
         try:
             write_manifest(directory, manifest)
         except Exception as e:  # noqa: BLE001
             failure = e
     _raise_any(directory, failure, _exchange(_describe(rank, failure), process_group))
+    mark_saved(local)
     return manifest
 
 

@@ -21,7 +21,7 @@ from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
 from ctr_lightning.embedding.table_checks import align_features
 from ctr_lightning.embedding.table_setup import TableSetup
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest, SnapshotRef
 
 
 class ShardedTables(TableEngine):
@@ -243,9 +243,9 @@ class ShardedTables(TableEngine):
     def load(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         self.local.load(state, keep=self.owns)
 
-    def save_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
+    def save_snapshot(self, directory: str | os.PathLike, parent: SnapshotRef | None = None) -> SnapshotManifest:
         """Collective: each rank streams its shard to its own files; rank 0 writes the manifest."""
-        return save_shards(self.local, directory, self.process_group, self.plan)
+        return save_shards(self.local, directory, self.process_group, self.plan, parent=parent)
 
     def load_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
         return self.local.load_snapshot(directory, keep=self.owns)
