@@ -10,7 +10,14 @@ process's resident memory and what the tiers hold. Then, side by side on this ma
 - one table alone: a step whose ids are 50% new against one of the same size whose ids all
   exist.
 
-and prints one table: memory (resident against the DRAM budget, index bytes per SSD row),
+It also checkpoints through TableSnapshots when the run reaches its size (every row),
+trains 50 more steps and checkpoints again (incremental), then resumes from that
+checkpoint in a new process (``fit --ckpt_path``, other SSD files), and reports each
+one's time, bytes written and peak resident memory. A full snapshot needs about the live
+rows again in disk beside the SSD files: at 1.5x RAM more than a 70 GB disk holds, so
+take a smaller ``--target`` for it, or ``--skip checkpoint``.
+
+It prints one table: memory (resident against the DRAM budget, index bytes per SSD row),
 speed (last 10% against first 10%, first 10% against all in memory), disk (SSD files
 against live rows, the longest step and where it went) and new rows.
 
@@ -79,6 +86,62 @@ try:  # the recorder is loaded by the CLI (class_path bench_out_of_core.StepReco
 
         def on_train_end(self, trainer, module):
             self._file.close()
+
+    def _peak_resident() -> int:
+        """The process's peak resident memory since the last :func:`_reset_peak`."""
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def _reset_peak() -> None:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
+
+    class CheckpointAtTarget(pl.Callback):
+        """When the run reaches its size (StorageMonitor stops it), saves a checkpoint
+        (TableSnapshots: every row), trains ``more`` steps, saves again (incremental),
+        then lets it stop. Writes what each save took to ``path`` as JSON."""
+
+        def __init__(self, path: str, dirpath: str, more: int = 50) -> None:
+            self.path, self.dirpath, self.more = path, Path(dirpath), more
+            self.phase, self.results, self.stop_at = "grow", {}, 0
+
+        def _save(self, trainer, name: str) -> None:
+            from ctr_lightning.callbacks.tiered_collections import tiered_collections
+
+            _reset_peak()
+            base, start = resident_bytes(), time.perf_counter()
+            trainer.save_checkpoint(self.dirpath / f"{name}.ckpt")
+            seconds = time.perf_counter() - start
+            snapshot = Path(tiered_collections(trainer.lightning_module, "bench")[0].current_snapshot())
+            self.results[name] = {"seconds": seconds, "bytes": sum(p.stat().st_size for p in snapshot.iterdir()),
+                                  "rss_before": base, "rss_peak": _peak_resident(), "step": trainer.global_step,
+                                  "storage": _stats(tiered_collections(trainer.lightning_module, "bench"))[0]}
+            Path(self.path).write_text(json.dumps(self.results))
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            if self.phase == "grow" and trainer.should_stop:
+                self._save(trainer, "full")
+                trainer.should_stop, self.phase = False, "more"
+                self.stop_at = trainer.global_step + self.more
+            elif self.phase == "more" and trainer.global_step >= self.stop_at:
+                self._save(trainer, "incremental")
+                trainer.should_stop, self.phase = True, "done"
+            elif self.phase == "more":
+                trainer.should_stop = False  # StorageMonitor asks again every few steps
+
+    class ResumeTimer(pl.Callback):
+        """Time from the process's start to its first training step after a resume, and
+        the peak resident memory until then."""
+
+        def __init__(self, path: str, started: float) -> None:
+            self.path, self.started = path, started  # time.time() when the command was started
+
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            if not Path(self.path).exists():
+                Path(self.path).write_text(json.dumps({"seconds": time.time() - self.started,
+                                                       "rss_peak": _peak_resident(), "rss": resident_bytes()}))
+                trainer.should_stop = True
 except ImportError:  # pragma: no cover
     pass
 
@@ -134,8 +197,24 @@ def new_row_steps(work: Path, rows: int, batch: int, steps: int) -> tuple[float,
     return 1 / best_new, 1 / best_old
 
 
-def report(out_log: Path, mem_log: Path | None, new_rows: tuple[float, float] | None, budget: int) -> None:
-    steps = load(out_log)
+def report_checkpoints(saves: Path, resume: Path, budget: int) -> None:
+    """Save and resume at the largest size: time, bytes written, resident memory."""
+    done, resumed = json.loads(saves.read_text()), json.loads(resume.read_text())
+    live = done["full"]["storage"]["ssd_live_bytes"]
+    print(f"\ncheckpoints at the largest size ({live / 2**30:.1f} GiB of live rows on SSD; DRAM budget "
+          f"{budget / 2**30:.2f} GiB):")
+    for name, r in done.items():
+        print(f"  {name} save at step {r['step']}: {r['seconds']:.1f} s, {r['bytes'] / 2**30:.2f} GiB written "
+              f"({r['bytes'] / live:.3f}x the live rows), peak resident {r['rss_peak'] / 2**30:.2f} GiB "
+              f"(before {r['rss_before'] / 2**30:.2f} GiB)")
+    print(f"  resume (fit --ckpt_path: command start to first step, the chain of 2 loaded): "
+          f"{resumed['seconds']:.1f} s, peak resident {resumed['rss_peak'] / 2**30:.2f} GiB")
+
+
+def report(out_log: Path, mem_log: Path | None, new_rows: tuple[float, float] | None, budget: int,
+           exclude: set[int] = frozenset()) -> None:
+    # ``exclude``: steps whose time holds a checkpoint the benchmark itself took.
+    steps = [s for s in load(out_log) if s["step"] not in exclude]
     # A step's wall time: from the end of the step before (loading, reads ahead, callbacks).
     seconds = np.array([s["wall"] for s in steps])
     warm = min(20, len(steps) // 10)
@@ -203,7 +282,7 @@ def main() -> None:
     parser.add_argument("--dir", default=str(ROOT / "bench_out" / "out_of_core"))
     parser.add_argument("--new-rows-rows", type=int, default=2_000_000)
     parser.add_argument("--keep", action="store_true", help="keep the SSD files and logs")
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: memory,new_rows")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: memory,new_rows,checkpoint")
     args = parser.parse_args()
     work = Path(args.dir)
     if work.exists():
@@ -212,11 +291,30 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     try:
         out_log = work / "out_of_core.jsonl"
+        callbacks = _callbacks(args.target, out_log)
+        if "checkpoint" not in skip:
+            callbacks += [{"class_path": "ctr_lightning.callbacks.TableSnapshots",
+                           "init_args": {"root": str(work / "snapshots")}},
+                          {"class_path": "bench_out_of_core.CheckpointAtTarget",
+                           "init_args": {"path": str(work / "saves.json"), "dirpath": str(work / "ckpt")}}]
         seconds = run_fit(work, "out_of_core", [
             f"--model.storage.device_bytes={args.device_bytes}", f"--model.storage.ssd_dir={work / 'ssd'}",
-            f"--trainer.callbacks={json.dumps(_callbacks(args.target, out_log))}"])
+            f"--trainer.callbacks={json.dumps(callbacks)}"])
         print(f"out-of-core run: {seconds / 60:.1f} min")
         shutil.rmtree(work / "ssd", ignore_errors=True)
+        if "checkpoint" not in skip:
+            resume = work / "resume.json"
+            steps_done = json.loads((work / "saves.json").read_text())["incremental"]["step"]
+            timer = {"class_path": "bench_out_of_core.ResumeTimer",
+                     "init_args": {"path": str(resume), "started": time.time()}}
+            run_fit(work, "resumed", [
+                f"--model.storage.device_bytes={args.device_bytes}", f"--model.storage.ssd_dir={work / 'ssd_resumed'}",
+                f"--ckpt_path={work / 'ckpt' / 'incremental.ckpt'}", f"--trainer.max_steps={steps_done + 5}",
+                f"--trainer.callbacks={json.dumps([timer])}"])
+            report_checkpoints(work / "saves.json", resume, budget=26 * args.device_bytes)
+            print("(the steps that took them are left out of the figures below)")
+            shutil.rmtree(work / "ssd_resumed", ignore_errors=True)
+            shutil.rmtree(work / "snapshots", ignore_errors=True)
         steps = len(load(out_log))
         mem_log = None
         if "memory" not in skip:
@@ -226,7 +324,9 @@ def main() -> None:
                                         "--model.storage.ssd_dir=null", f"--trainer.max_steps={tenth}",
                                         f"--trainer.callbacks={json.dumps(_callbacks(None, mem_log, prefetch=False))}"])
         new_rows = None if "new_rows" in skip else new_row_steps(work, args.new_rows_rows, 100_000, 5)
-        report(out_log, mem_log, new_rows, budget=26 * args.device_bytes)
+        saves = work / "saves.json"
+        exclude = {r["step"] + 1 for r in json.loads(saves.read_text()).values()} if saves.exists() else set()
+        report(out_log, mem_log, new_rows, budget=26 * args.device_bytes, exclude=exclude)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -7,6 +7,9 @@ DRAM tier, so nearly all of it lies on SSD. Then, in one process, side by side:
 - ``state_dict``: ``torch.save(ebc.state_dict())`` and ``load_state_dict`` (every row
   exported into memory, as a Lightning checkpoint does today);
 - ``snapshot``: ``ebc.save_tables(dir)`` and ``ebc.load_tables(dir)``;
+- ``incremental``: after training on ``--changed`` of the rows again (ids drawn at
+  random), ``ebc.save_tables(dir2, incremental=True)``, which writes only the rows
+  changed since the snapshot, and loading that chain of two;
 
 each timed, with the growth of resident memory over the process's level before it
 (sampled every 5 ms by a thread). Prints one table and the ratios.
@@ -68,6 +71,7 @@ def build(work: Path, name: str, rows: int, batch: int) -> TieredEmbeddingBagCol
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=3_000_000)
+    parser.add_argument("--changed", type=float, default=0.05, help="share of rows trained after the snapshot")
     parser.add_argument("--dir", default=str(ROOT / "bench_out" / "table_snapshot"))
     args = parser.parse_args()
     work = Path(args.dir)
@@ -104,6 +108,23 @@ def main() -> None:
         results["snapshot load"] = (m.seconds, m.growth, 0)
         probe = np.random.default_rng(0).choice(args.rows, 10_000, replace=False)
         assert torch.equal(restored.rows("ads", probe), ebc.rows("ads", probe))
+        del restored
+        changed = np.random.default_rng(1).choice(args.rows, int(args.changed * args.rows), replace=False)
+        for start in range(0, len(changed), batch):
+            ids = torch.from_numpy(changed[start : start + batch])
+            kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=ids, lengths=torch.ones(len(ids),
+                                                                                               dtype=torch.int32))
+            ebc(kjt).values().sum().backward()
+        with PeakMemory() as m:
+            manifest = ebc.save_tables(work / "incremental", incremental=True)
+        assert manifest.parent is not None
+        results["incremental save"] = (m.seconds, m.growth, sum(f.bytes for f in manifest.files))
+        restored = build(work, "loaded_chain", args.rows, batch)
+        with PeakMemory() as m:
+            restored.load_tables(work / "incremental")
+        results["incremental load"] = (m.seconds, m.growth, 0)
+        probe = np.concatenate([probe, changed[:10_000]])
+        assert torch.equal(restored.rows("ads", probe), ebc.rows("ads", probe))
         print(f"{'':<16} {'seconds':>8} {'resident memory growth':>24} {'bytes written':>14}")
         for name, (seconds, growth, written) in results.items():
             print(f"{name:<16} {seconds:>8.1f} {growth / 2**30:>20.2f} GiB {written / 2**30:>10.2f} GiB")
@@ -111,6 +132,9 @@ def main() -> None:
             a, b = results[f"state_dict {what}"], results[f"snapshot {what}"]
             print(f"{what}: snapshot / state_dict: {b[0] / a[0]:.2f}x the time, memory growth "
                   f"{b[1] / 2**20:.0f} MiB vs {a[1] / 2**20:.0f} MiB ({a[1] / max(b[1], 1):.1f}x less)")
+        full, delta = results["snapshot save"], results["incremental save"]
+        print(f"incremental save after {args.changed:.0%} of the rows changed: {delta[2] / full[2]:.3f}x the bytes "
+              f"and {delta[0] / full[0]:.2f}x the time of a full snapshot")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

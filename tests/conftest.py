@@ -133,6 +133,23 @@ def launch_ranks(script: str, args: list[str], world: int, port: int, timeout: f
 
 
 @pytest.fixture
+def in_mount_namespace():
+    """Runs a Python script in a mount namespace of its own (``unshare -m``), where it may
+    mount real, small file systems that vanish with it; skips where that cannot be done."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1)")
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a mount namespace here: {probe.stderr.decode().strip()}")
+    return lambda script, args, timeout=300: subprocess.run(["unshare", "-m", sys.executable, "-c", script, *args],
+                                                            capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
 def until_one_exits():
     """:func:`launch_until_one_exits` on a fresh free port each call."""
     return lambda command, world, env_by_rank, timeout=300: launch_until_one_exits(

@@ -180,7 +180,7 @@ class RowCache:
                     pass  # the lookahead wants more than fits: keep only this batch's pins
         if not need.any():
             empty = np.empty(0, dtype=np.int64)
-            return empty, self._rows(empty)
+            return empty, self.rows_at(empty)
         # Free a little more than asked, so the selection below runs every few batches, not every one.
         wanted = np.where(need > 0, need + self.capacity // 32, 0)
         slot_table = self.slot_table
@@ -213,7 +213,7 @@ class RowCache:
                 members = members[np.argpartition(key[members], take[t] - 1)[: take[t]]]
             victims.append(slots[members])
         victims = np.sort(np.concatenate(victims)) if victims else np.empty(0, dtype=np.int64)
-        return victims, self._rows(victims)
+        return victims, self.rows_at(victims)
 
     def release(self, slots: np.ndarray) -> None:
         tables = self.table_code[slots].astype(np.int64) - 1
@@ -282,14 +282,23 @@ class RowCache:
         self.slot_mark = np.concatenate([self.slot_mark, np.full(pad, -1, dtype=np.int32)])
         self.ssd_location = np.concatenate([self.ssd_location, np.full(pad, -1, dtype=np.int64)])
 
-    def _rows(self, slots: np.ndarray) -> Rows:
+    def rows_at(self, slots: np.ndarray) -> Rows:
+        """The rows at ``slots``, values copied (victims, or a chunk of a checkpoint)."""
         index = torch.from_numpy(slots).to(self.device)
         return Rows(self.table_code[slots].astype(np.int64) - 1, self.slot_id[slots].copy(),
                     self.values.index_select(0, index), self.dirty[slots].copy(), self.ssd_location[slots].copy())
 
     def entries(self) -> Rows:
-        """Every row held, for checkpoints."""
-        return self._rows(np.flatnonzero(self.slot_table >= 0))
+        """Every row held, with its values (a copy of the tier)."""
+        return self.rows_at(self.held_slots())
+
+    def held_slots(self) -> np.ndarray:
+        """The slots that hold a row."""
+        return np.flatnonzero(self.slot_table >= 0)
+
+    def keys_at(self, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(tables, ids)`` of the rows at ``slots``, without their values."""
+        return self.table_code[slots].astype(np.int64) - 1, self.slot_id[slots].copy()
 
     def clear(self) -> None:
         self._allocate(len(self.table_code))

@@ -367,24 +367,31 @@ class TierStack:
         self.drain()
         changed_only = changed_only and self.ssd is not None and self._saved_mark is not None
         shadow = KeyIndex()
-        parts: list[Rows] = []
-        device_rows = self.device_tier.entries()
-        parts.append(device_rows if self.host_tier is None and self.ssd is None
-                     else device_rows.select(device_rows.dirty))
+        # (tier, its slots to give) in freshest-first order; rows are copied a chunk at a
+        # time, so the memory tiers' values are never duplicated whole.
+        parts: list[tuple[RowCache, np.ndarray]] = []
+        device_slots = self.device_tier.held_slots()
+        if self.host_tier is not None or self.ssd is not None:
+            device_slots = device_slots[self.device_tier.dirty[device_slots]]
+        parts.append((self.device_tier, device_slots))
         if self.host_tier is not None:
-            host_rows = self.host_tier.entries()
-            parts.append(host_rows.select(host_rows.dirty) if changed_only else host_rows)
+            host_slots = self.host_tier.held_slots()
+            parts.append((self.host_tier, host_slots[self.host_tier.dirty[host_slots]] if changed_only else host_slots))
+        for tier, slots in parts:  # freshest first: a key already given is skipped after
+            tables, ids = tier.keys_at(slots)
+            fresh = shadow.lookup(tables, ids) < 0
+            slots = slots[fresh]
+            shadow.insert(tables[fresh], ids[fresh], np.zeros(int(fresh.sum()), dtype=np.int64))
+            for start in range(0, len(slots), chunk_rows):
+                rows = tier.rows_at(slots[start : start + chunk_rows])
+                yield rows.tables, rows.ids, rows.values.cpu()
         # After the host tier: a failed write may hold an older copy of a row the host took since.
         if self._unwritten is not None:
-            parts.append(self._unwritten)
-        for part in parts:  # freshest first: a key already given is skipped after
+            part = self._unwritten
             fresh = shadow.lookup(part.tables, part.ids) < 0
-            tables, ids = part.tables[fresh], part.ids[fresh]
-            shadow.insert(tables, ids, np.zeros(len(ids), dtype=np.int64))
-            values = part.values.cpu()[torch.from_numpy(np.flatnonzero(fresh))]
-            for start in range(0, len(ids), chunk_rows):
-                yield tables[start : start + chunk_rows], ids[start : start + chunk_rows], values[
-                    start : start + chunk_rows]
+            shadow.insert(part.tables[fresh], part.ids[fresh], np.zeros(int(fresh.sum()), dtype=np.int64))
+            if fresh.any():
+                yield part.tables[fresh], part.ids[fresh], part.values[torch.from_numpy(np.flatnonzero(fresh))]
         if self.ssd is not None:
             records = (self.ssd.entries_since(self._saved_mark, chunk_records=chunk_rows) if changed_only
                        else self.ssd.entries(chunk_records=chunk_rows))

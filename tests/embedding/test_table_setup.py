@@ -1,9 +1,5 @@
 """Set-up checks of TableSetup.build: storage that cannot work is refused before training."""
 
-import shutil
-import subprocess
-import sys
-
 import pytest
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
@@ -43,14 +39,9 @@ for directory in (full, readonly):
 """
 
 
-@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare(1)")
-def test_a_full_or_read_only_ssd_file_system_is_refused_at_set_up(tmp_path):
+def test_a_full_or_read_only_ssd_file_system_is_refused_at_set_up(tmp_path, in_mount_namespace):
     # Real file systems, mounted in a private mount namespace that ends with the process.
-    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot make a mount namespace here: {probe.stderr.decode().strip()}")
-    result = subprocess.run(["unshare", "-m", sys.executable, "-c", MOUNTED, str(tmp_path)], capture_output=True,
-                            text=True, timeout=120)
+    result = in_mount_namespace(MOUNTED, [str(tmp_path)], timeout=120)
     lines = [line for line in result.stdout.splitlines() if line.startswith(("ERROR", "NO ERROR"))]
     assert len(lines) == 2, result.stdout + result.stderr[-3000:]
     full, readonly = lines

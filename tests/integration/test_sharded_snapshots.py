@@ -1,11 +1,13 @@
 """Table snapshots of sharded collections: each of 2 gloo ranks writes its own rows, rank 0
-the manifest; the snapshot loads into another sharding, other budgets, and one process."""
+the manifest; the snapshot loads into another sharding, other budgets, and one process,
+and a snapshot of one process loads into 2 ranks."""
 
 import os
 
 import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
 from ctr_lightning.embedding.row_files import read_row_file
@@ -82,6 +84,13 @@ for label, sharding, sync, reshard in (("row_wise", "row_wise", "step", "table_w
     if rank == 0:
         torch.save(saved, os.path.join(out_dir, f"rows_{label}.pt"))
 
+# A snapshot one process saved loads into both ranks, each keeping the rows it owns.
+for sharding in ("row_wise", "table_wise"):
+    two = make(sharding, "step", "from_one_" + sharding, 150)
+    two.load_tables(os.path.join(out_dir, "snap_one"))
+    expected = torch.load(os.path.join(out_dir, "rows_one.pt"))
+    result["from_one_" + sharding] = all(torch.equal(two.rows(n, i), expected[n]) for n, i in ids.items())
+
 # A save that fails on one rank (a file size limit: a full disk to the writer) fails on
 # both, names the file, and leaves no manifest.
 if rank == 1:
@@ -99,7 +108,20 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_two_ranks_save_their_own_rows_and_the_snapshot_loads_anywhere(tmp_path, run_ranks):
+    # One process trains and saves first; the ranks load its snapshot too.
+    one = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05),
+                                       storage=StorageConfig(device_rows=50, host_rows=0, ssd_dir=str(tmp_path / "one")))
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(5):
+        values = torch.randint(0, 100, (96,), generator=gen) * 7919
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1", "f2", "f3"], values=values,
+                                                  lengths=torch.ones(96, dtype=torch.int32))
+        one(kjt).values().sum().backward()
+    one.save_tables(tmp_path / "snap_one")
+    torch.save({t.name: one.rows(t.name, torch.arange(0, t.num_embeddings * 7919, 7919)) for t in TABLES},
+               tmp_path / "rows_one.pt")
     results = run_ranks(RANK_SCRIPT, [str(tmp_path), "{port}"], world=2, ddp_env=False)
+    assert all(r["from_one_row_wise"] and r["from_one_table_wise"] for r in results)
     for label in ("row_wise", "table_wise", "k_step"):
         for r in results:
             assert r[label]["loaded_equal"], label  # resharded on load, bit for bit
