@@ -31,6 +31,7 @@ import pyarrow.parquet as pq
 import torch
 
 import ctr_lightning  # noqa: F401 - registers the config classes a checkpoint may hold
+from ctr_lightning.embedding.key_index import KeyIndex
 from ctr_lightning.embedding.row_files import file_sha256, read_row_file
 from ctr_lightning.embedding.table_snapshot import SnapshotManifest, verify
 
@@ -45,15 +46,26 @@ def _table_chunks(extra: dict[str, Any], chunk_rows: int) -> tuple[dict[str, dic
         manifest = SnapshotManifest.read(directory)
         if manifest.sha256() != extra["manifest_sha256"]:
             raise ValueError(f"table snapshot {directory}: its manifest is not the one the checkpoint refers to")
-        verify(directory, manifest)
+        chain = manifest.chain(directory)
+        for path, member in chain:
+            verify(path, member)
 
         def from_files() -> Iterator[tuple[str, np.ndarray, torch.Tensor]]:
-            for f in manifest.files:
-                for names, tables, ids, rows in read_row_file(directory / f.name, f.width):
-                    for code, name in enumerate(names):
-                        mine = np.flatnonzero(tables == code)
-                        if len(mine):
-                            yield name, ids[mine], rows[torch.from_numpy(mine)]
+            # An incremental snapshot's rows, then its ancestors' rows it does not replace:
+            # the keys of all but the oldest are remembered (the changed rows, not the table).
+            given = KeyIndex()
+            codes = {name: code for code, name in enumerate(manifest.tables)}
+            for depth, (path, member) in enumerate(chain):
+                for f in member.files:
+                    for names, tables, ids, rows in read_row_file(path / f.name, f.width):
+                        keys = np.array([codes[n] for n in names], dtype=np.int64)[tables]
+                        fresh = given.lookup(keys, ids) < 0 if depth else np.ones(len(ids), dtype=bool)
+                        if depth + 1 < len(chain):
+                            given.insert(keys[fresh], ids[fresh], np.zeros(int(fresh.sum()), dtype=np.int64))
+                        for code, name in enumerate(names):
+                            mine = np.flatnonzero((tables == code) & fresh)
+                            if len(mine):
+                                yield name, ids[mine], rows[torch.from_numpy(mine)]
 
         return manifest.tables, from_files()
     if "tables" not in extra:

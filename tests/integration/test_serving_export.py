@@ -35,7 +35,7 @@ def test_an_export_scores_a_batch_as_the_trained_model_does(tmp_path, snapshots)
     pl.seed_everything(0)
     model = DLRMModule(embedding_dim=8, num_embeddings=5000, dense_arch_layer_sizes=[16], over_arch_layer_sizes=[16, 1],
                        storage=StorageConfig(device_rows=150, host_rows=0, ssd_dir=str(tmp_path / "ssd")))
-    callbacks = [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_last=True)]
+    callbacks = [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_last=True)]
     if snapshots:
         callbacks.append(TableSnapshots())
     pl.Trainer(accelerator="cpu", max_steps=20, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -48,6 +48,13 @@ def test_an_export_scores_a_batch_as_the_trained_model_does(tmp_path, snapshots)
     exported = model.embeddings._built().export()
     stored = {name: len(t["ids"]) for name, t in exported.items()}
     assert {name: t["rows"] for name, t in described["tables"].items()} == stored  # each stored row once
+    if snapshots:  # the last snapshot is the third incremental one over the first: the export read the chain
+        from ctr_lightning.callbacks.table_snapshots import snapshot_references
+        from ctr_lightning.embedding.table_snapshot import SnapshotManifest
+
+        last = next(iter(snapshot_references(torch.load(tmp_path / "ckpt" / "last.ckpt")["state_dict"])))
+        chain = SnapshotManifest.read(last).chain(last)
+        assert len(chain) == 4 and sum(sum(f.rows.values()) for f in chain[0][1].files) < sum(stored.values())
     assert sum(stored.values()) > 1000
     table = described["tables"]["t_C1"]
     parts = [pq.read_table(out / f["path"]) for f in table["files"]]
