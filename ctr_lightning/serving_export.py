@@ -58,7 +58,11 @@ def _table_chunks(extra: dict[str, Any], chunk_rows: int) -> tuple[dict[str, dic
             for depth, (path, member) in enumerate(chain):
                 for f in member.files:
                     for names, tables, ids, rows in read_row_file(path / f.name, f.width):
-                        keys = np.array([codes[n] for n in names], dtype=np.int64)[tables]
+                        # A table an ancestor has but the newest snapshot dropped: -1, never given.
+                        keys = np.array([codes.get(n, -1) for n in names], dtype=np.int64)[tables]
+                        known = keys >= 0
+                        tables, ids, keys = tables[known], ids[known], keys[known]
+                        rows = rows[torch.from_numpy(np.flatnonzero(known))]
                         fresh = given.lookup(keys, ids) < 0 if depth else np.ones(len(ids), dtype=bool)
                         if depth + 1 < len(chain):
                             given.insert(keys[fresh], ids[fresh], np.zeros(int(fresh.sum()), dtype=np.int64))

@@ -172,9 +172,12 @@ class LogDataModule(pl.LightningDataModule):
             # batches starts after them, so later checkpoints add them back.
             done = trainer.fit_loop.epoch_loop.batch_progress.current.processed if trainer is not None else 0
             self._resumed = (self._current_epoch(), done, skip)
+        elif split == "train":
+            self._resumed = None
         dataset = LogStreamDataset(
             files, self.format, batch_size=self.batch_size, rank=rank, world_size=world, bad_lines=self.bad_lines,
-            skip_batches=skip, max_bad_fraction=self.max_bad_fraction, files=[self._indexes[f] for f in files],
+            skip_batches=skip, epoch=self._current_epoch(), max_bad_fraction=self.max_bad_fraction,
+            files=[self._indexes[f] for f in files],
             seed=self.shuffle_seed, rotate=self.shuffle_shards and split == "train",
         )
         # Every split takes equal steps on all ranks: a sharded embedding collection runs

@@ -85,8 +85,10 @@ class LogStreamDataset(IterableDataset):
         # Workers ship about message_rows rows at a time: the per-message cost of
         # inter-process transfer is fixed, so fewer, larger messages read faster.
         self.batches_per_message = max(1, message_rows // batch_size)
-        # Batches each shard already delivered before a restart: read again, not sent again.
+        # Batches each shard already delivered before a restart: read again, not sent again,
+        # in the epoch the restart happened in (``epoch`` as given here) only.
         self.skip_batches = dict(skip_batches or {})
+        self.skip_epoch = epoch
 
     def plan(self, worker: int, num_workers: int) -> list[FileSlice]:
         """What worker ``worker`` of ``num_workers`` of this rank reads this epoch."""
@@ -99,7 +101,8 @@ class LogStreamDataset(IterableDataset):
         shard, num_shards = self.rank * workers + worker, self.world_size * workers
         # Kept on the dataset, so a reader in this process can look at the counts afterwards.
         bad = self.bad_line_log = BadLineLog()
-        skip = self.skip_batches.get(shard, 0)
+        # A loader is reused from epoch to epoch: the next epoch reads everything again.
+        skip = self.skip_batches.get(shard, 0) if self.epoch == self.skip_epoch else 0
         pending: list[DecodedRows] = []
         ready: list[DecodedRows] = []
         buffered = 0

@@ -24,17 +24,15 @@ def snapshot_references(state_dict: dict[str, Any]) -> set[str]:
 
 
 def with_ancestors(snapshots: set[str]) -> set[str]:
-    """The snapshots and every snapshot an incremental one among them builds on."""
+    """The snapshots and every snapshot an incremental one among them builds on. A
+    manifest that cannot be read raises (OSError, ValueError): its ancestors are unknown."""
     out, todo = set(), list(snapshots)
     while todo:
         path = todo.pop()
         if path in out:
             continue
         out.add(path)
-        try:
-            parent = SnapshotManifest.read(path).parent
-        except (OSError, ValueError):
-            continue  # gone or incomplete: it has no ancestors to keep
+        parent = SnapshotManifest.read(path).parent
         if parent is not None:
             todo.append(parent.path)
     return out
@@ -116,7 +114,10 @@ class TableSnapshots(Callback):
             current = collection.current_snapshot()
             if current is not None:
                 keep.add(str(current))
-        keep = with_ancestors(keep)
+        try:
+            keep = with_ancestors(keep)
+        except (OSError, ValueError):
+            return  # a kept snapshot's manifest unreadable: its ancestors unknown, delete nothing this time
         for collection in self._collections:
             kept = []
             for snapshot in collection.snapshots_written:

@@ -97,7 +97,9 @@ class RowFileWriter:
             os.fsync(self._file.fileno())
             self._file.close()
         except OSError as e:
-            raise self._failed(e) from e
+            failure = self._failed(e)
+            self.abort()  # a full disk must not stay full of what was written so far
+            raise failure from e
         os.replace(self._partial, self.path)
         self.sha256 = self._hash.hexdigest()
 

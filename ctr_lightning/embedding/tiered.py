@@ -267,10 +267,13 @@ class TieredEmbeddingBagCollection(nn.Module):
         :meth:`checkpoint_to_snapshots`) writes all rows again, so chains stay short.
         When sharded this is collective: each rank writes the rows it owns to its own
         files, and ``directory`` must be one every rank sees."""
+        engine = self._built()
         parent = self._base if incremental and self._chain_deltas + 1 < self._full_every else None
         if parent is not None and not (Path(parent.path) / MANIFEST).exists():
             parent = None  # removed by hand: nothing to build on
-        manifest = self._built().save_snapshot(directory, parent)
+        # Every rank must write the same kind of snapshot: rank 0's view decides (collective).
+        parent = engine.from_rank0(parent)
+        manifest = engine.save_snapshot(directory, parent)
         self._base = SnapshotRef(str(Path(directory).resolve()), manifest.sha256())
         self._chain_deltas = self._chain_deltas + 1 if parent is not None else 0
         return manifest

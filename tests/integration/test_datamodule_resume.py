@@ -60,6 +60,28 @@ def test_resumed_run_sees_exactly_the_remaining_examples(tmp_path, num_workers):
     assert not set(first.seen) & set(second.seen) and not set(second.seen) & set(third.seen)
 
 
+class SeenPerEpoch(pl.Callback):
+    """Counts the training examples each epoch sees."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.counts[trainer.current_epoch] = self.counts.get(trainer.current_epoch, 0) + len(batch)
+
+
+def test_the_epoch_after_a_mid_epoch_resume_reads_everything(tmp_path):
+    # Lightning reuses the train loader: the resume's skips belong to its own epoch only.
+    write_synthetic_criteo(tmp_path / "day_0.tsv", rows=1500, seed=0)
+    datamodule = lambda: CriteoDataModule(train_paths=str(tmp_path / "day_0.tsv"), batch_size=100)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1)
+    trainer(tmp_path, [ckpt], max_steps=6).fit(model(), datamodule=datamodule())
+    seen = SeenPerEpoch()
+    trainer(tmp_path, [seen], max_epochs=2).fit(model(), datamodule=datamodule(),
+                                                ckpt_path=str(next((tmp_path / "ckpt").glob("*step=6*.ckpt"))))
+    assert seen.counts == {0: 900, 1: 1500}
+
+
 def test_mid_epoch_resume_with_another_layout_is_a_clear_error(tmp_path):
     write_synthetic_criteo(tmp_path / "day_0.tsv", rows=1000, seed=0)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3)
