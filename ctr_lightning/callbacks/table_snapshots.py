@@ -50,7 +50,8 @@ class TableSnapshots(Callback):
     any more (top-k rotation) are deleted, except the one of the current rows; snapshots
     of earlier runs are never touched. A checkpoint saved by hand elsewhere
     (``trainer.save_checkpoint("x.ckpt")``) does not protect its snapshot: save it into a
-    ModelCheckpoint directory.
+    ModelCheckpoint directory. A run directory moved elsewhere resumes: snapshots are found
+    by name beside the checkpoint resumed from, and a chain's parents beside their child.
 
     Saves are incremental: a snapshot holds the rows changed since the previous one (dirty
     rows of the memory tiers, SSD records written since) and names it as its parent;
@@ -79,6 +80,17 @@ class TableSnapshots(Callback):
         if not callbacks:
             return None
         return [path for c in callbacks for path in Path(c.dirpath).rglob(f"*{c.FILE_EXTENSION}")]
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Before Lightning restores a checkpoint: a resumed run whose directory moved finds
+        # the snapshots beside the checkpoint it resumes from (known once it is loading).
+        def search() -> list[Path]:
+            beside = [Path(trainer.ckpt_path).parent / "table_snapshots"] if trainer.ckpt_path else []
+            return beside + ([self.root] if self.root is not None else [])
+
+        for collection in tiered_collections(pl_module, "TableSnapshots"):
+            collection.snapshot_search = search
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -88,19 +88,24 @@ class SnapshotManifest:
 
     def chain(self, directory: str | os.PathLike) -> list[tuple[Path, SnapshotManifest]]:
         """This snapshot and its ancestors, newest first, each parent checked to be the
-        one its child was saved over."""
+        one its child was saved over. A parent no longer at its recorded path is looked
+        for beside its child (a run directory moved or copied elsewhere)."""
         out = [(Path(directory), self)]
         while out[-1][1].parent is not None:
             ref = out[-1][1].parent
+            path = Path(ref.path)
+            beside = out[-1][0].parent / path.name
+            if not (path / MANIFEST).exists() and (beside / MANIFEST).exists():
+                path = beside
             try:
-                parent = SnapshotManifest.read(ref.path)
+                parent = SnapshotManifest.read(path)
             except FileNotFoundError as e:
                 raise FileNotFoundError(f"table snapshot {out[-1][0]} is incremental over {ref.path}, which is "
                                         f"gone or incomplete: {e}") from e
             if parent.sha256() != ref.manifest_sha256:
-                raise ValueError(f"table snapshot {out[-1][0]} is incremental over {ref.path}, whose manifest is "
+                raise ValueError(f"table snapshot {out[-1][0]} is incremental over {path}, whose manifest is "
                                  f"not the one it was saved over")
-            out.append((Path(ref.path), parent))
+            out.append((path, parent))
         return out
 
 

@@ -128,6 +128,10 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._base: SnapshotRef | None = None
         self._chain_deltas = 0
         self._full_every = 8
+        # Where a checkpoint's snapshot is looked for by name when its recorded path is
+        # gone (the run directory moved): asked when a checkpoint is loaded, since only then
+        # is it known which checkpoint that is. TableSnapshots sets it.
+        self.snapshot_search: Callable[[], list[Path]] = list
 
     def follow_merge_schedule(self, k: int, warmup_steps: int = 0) -> None:
         """Merge the replicas of ``sparse_sync="k_step"`` with a k-step strategy's ``k`` and
@@ -305,6 +309,17 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._snapshot_root = Path(root) if root is not None else None
         self._full_every = full_every
 
+    def _find_snapshot(self, recorded: str) -> Path:
+        """The snapshot a checkpoint names: at its recorded path, else by its name in
+        :attr:`snapshot_search` (else the recorded path, whose reading says what is missing)."""
+        path = Path(recorded)
+        if (path / MANIFEST).exists():
+            return path
+        for directory in self.snapshot_search():
+            if (directory / path.name / MANIFEST).exists():
+                return directory / path.name
+        return path
+
     def current_snapshot(self) -> Path | None:
         """The snapshot the state dict refers to now, if one was written for these rows."""
         return Path(self._snapshot[1]["snapshot"]) if self._snapshot is not None else None
@@ -327,13 +342,15 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         if "snapshot" in state:
-            if self._snapshot is not None and self._snapshot == (self._version, state):
+            if (self._snapshot is not None and self._snapshot[0] == self._version
+                    and self._snapshot[1]["manifest_sha256"] == state["manifest_sha256"]):
                 return  # loaded already (the second name of this module)
-            if SnapshotManifest.read(state["snapshot"]).sha256() != state["manifest_sha256"]:
-                raise ValueError(f"table snapshot {state['snapshot']}: its manifest is not the one the "
-                                 f"checkpoint refers to")
-            self.load_tables(state["snapshot"])
-            self._snapshot = (self._version, dict(state))
+            path = self._find_snapshot(state["snapshot"])
+            if SnapshotManifest.read(path).sha256() != state["manifest_sha256"]:
+                raise ValueError(f"table snapshot {path}: its manifest is not the one the checkpoint refers to")
+            self.load_tables(path)
+            self._snapshot = (self._version, {"snapshot": str(path.resolve()),
+                                              "manifest_sha256": state["manifest_sha256"]})
             return
         if "tables" not in state:
             raise KeyError("checkpoint holds no 'tables' state for the TieredEmbeddingBagCollection")

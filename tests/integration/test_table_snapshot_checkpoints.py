@@ -2,6 +2,8 @@
 a snapshot; top-k rotation deletes only snapshots no kept checkpoint names; a resumed run
 ends bit for bit where an uninterrupted one does."""
 
+import shutil
+
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -59,13 +61,17 @@ def test_checkpoints_reference_snapshots_rotate_them_and_resume_bit_exact(tmp_pa
     parent = manifests[last.pop()].parent
     assert parent is not None and parent.path in snapshots and manifests[parent.path].parent is None
 
-    # A run stopped at a checkpoint, then resumed from it, ends where the full run does.
-    fit(tmp_path / "part", data, STEPS // 2, top_k=-1)
+    # A run stopped at a checkpoint, its directory moved elsewhere (the checkpoint names
+    # snapshots by their old paths), then resumed from it, ends where the full run does.
+    fit(tmp_path / "before", data, STEPS // 2, top_k=-1)
+    shutil.move(tmp_path / "before", tmp_path / "part")
     resumed = fit(tmp_path / "part", data, STEPS, ckpt_path=str(tmp_path / "part" / "ckpt" / "last.ckpt"), top_k=-1)
     a, b = final_rows(full), final_rows(resumed)
     # The last snapshot of the resumed run is the third incremental one over the first:
     # loaded through that chain, it holds the final rows too.
-    last = snapshot_references(torch.load(tmp_path / "part" / "ckpt" / "last.ckpt", weights_only=True)["state_dict"])
+    # (Lightning names it last-v1.ckpt: it does not overwrite a last.ckpt of another dirpath.)
+    final = next((tmp_path / "part" / "ckpt").glob(f"*step={STEPS}.ckpt"))
+    last = snapshot_references(torch.load(final, weights_only=True)["state_dict"])
     chain = SnapshotManifest.read(next(iter(last))).chain(next(iter(last)))
     assert [m.parent is None for _, m in chain] == [False, False, False, True]
     reloaded = DLRMModule(embedding_dim=8, num_embeddings=5000, dense_arch_layer_sizes=[16],
