@@ -50,18 +50,22 @@ def _group_by_table(tables, num_tables):
 
 @dataclass
 class Rows:
-    """Rows leaving or entering a tier: which (table, id), their values, whether dirty, and
-    the SSD record each was last stored at (-1: none; see :class:`SsdLog`)."""
+    """Rows leaving or entering a tier: which (table, id), their values, whether dirty, the
+    SSD record each was last stored at (-1: none; see :class:`SsdLog`), and whether it
+    changed since the last table snapshot (see :meth:`TierStack.mark_saved`)."""
 
     tables: np.ndarray  # int64 table index per row
     ids: np.ndarray  # int64 feature id per row
     values: torch.Tensor  # [n, width]
     dirty: np.ndarray  # bool per row
     locations: np.ndarray | None = None  # int64 per row; None: -1 for all
+    changed: np.ndarray | None = None  # bool per row; None: False for all
 
     def __post_init__(self) -> None:
         if self.locations is None:
             self.locations = np.full(len(self.ids), -1, dtype=np.int64)
+        if self.changed is None:
+            self.changed = np.zeros(len(self.ids), dtype=bool)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -71,7 +75,7 @@ class Rows:
             return self
         index = torch.from_numpy(np.flatnonzero(mask)).to(self.values.device)
         return Rows(self.tables[mask], self.ids[mask], self.values.index_select(0, index), self.dirty[mask],
-                    self.locations[mask])
+                    self.locations[mask], self.changed[mask])
 
 
 class RowCache:
@@ -117,6 +121,9 @@ class RowCache:
         self.table_code = np.zeros(slots, dtype=np.int32)  # table + 1; 0 marks a free slot
         self.slot_id = np.empty(slots, dtype=np.int64)
         self.dirty = np.zeros(slots, dtype=bool)
+        # Written since the last table snapshot: a clean copy of a row changed since, or a
+        # dirty row unchanged since, is not part of an incremental snapshot.
+        self.changed = np.zeros(slots, dtype=bool)
         self.last_used = np.zeros(slots, dtype=np.int64)
         self.uses = np.zeros(slots, dtype=np.int64)
         self.needed_until = np.full(slots, -1, dtype=np.int64)  # last upcoming batch that needs the row
@@ -235,7 +242,7 @@ class RowCache:
 
     def insert(self, rows: Rows) -> np.ndarray:
         """Place rows (room made with :meth:`choose_victims` and :meth:`release`); overwrite those present."""
-        slots = self.place(rows.tables, rows.ids, rows.dirty)
+        slots = self.place(rows.tables, rows.ids, rows.dirty, changed=rows.changed)
         self.values[torch.from_numpy(slots).to(self.device)] = rows.values.to(self.device)
         self.ssd_location[slots] = rows.locations
         return slots
@@ -246,7 +253,8 @@ class RowCache:
         held = slots >= 0
         self.ssd_location[slots[held]] = locations[held]
 
-    def place(self, tables: np.ndarray, ids: np.ndarray, dirty: np.ndarray, absent: bool = False) -> np.ndarray:
+    def place(self, tables: np.ndarray, ids: np.ndarray, dirty: np.ndarray, absent: bool = False,
+              changed: np.ndarray | None = None) -> np.ndarray:
         """Slots for these (table, id) pairs, taking free ones for those not here yet, with
         the bookkeeping of :meth:`insert` but no values: the caller writes the rows.
         ``absent``: the caller knows none of them is here (skips a lookup)."""
@@ -264,6 +272,9 @@ class RowCache:
                self.needed_until, self.last_used, self.ssd_location)
         self.occupancy += np.bincount(fresh_tables, minlength=len(self.occupancy))
         self.dirty[slots] |= dirty
+        self.changed[fresh] = False
+        if changed is not None:
+            self.changed[slots] |= changed
         return slots
 
     def _grow(self, needed: int) -> None:
@@ -276,6 +287,7 @@ class RowCache:
         self.table_code = np.concatenate([self.table_code, np.zeros(pad, dtype=np.int32)])
         self.slot_id = np.concatenate([self.slot_id, np.empty(pad, dtype=np.int64)])
         self.dirty = np.concatenate([self.dirty, np.zeros(pad, dtype=bool)])
+        self.changed = np.concatenate([self.changed, np.zeros(pad, dtype=bool)])
         self.last_used = np.concatenate([self.last_used, np.zeros(pad, dtype=np.int64)])
         self.uses = np.concatenate([self.uses, np.zeros(pad, dtype=np.int64)])
         self.needed_until = np.concatenate([self.needed_until, np.full(pad, -1, dtype=np.int64)])
@@ -286,7 +298,8 @@ class RowCache:
         """The rows at ``slots``, values copied (victims, or a chunk of a checkpoint)."""
         index = torch.from_numpy(slots).to(self.device)
         return Rows(self.table_code[slots].astype(np.int64) - 1, self.slot_id[slots].copy(),
-                    self.values.index_select(0, index), self.dirty[slots].copy(), self.ssd_location[slots].copy())
+                    self.values.index_select(0, index), self.dirty[slots].copy(), self.ssd_location[slots].copy(),
+                    self.changed[slots].copy())
 
     def entries(self) -> Rows:
         """Every row held, with its values (a copy of the tier)."""

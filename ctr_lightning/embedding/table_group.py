@@ -105,6 +105,7 @@ class TableGroup:
         else:
             update_torch(storage, self.optimizer, self.steps, slots, tables, grad)
         self.tiers.device_tier.dirty[slots] = True
+        self.tiers.device_tier.changed[slots] = True
         self.tiers.unpin(slots)
 
     # -- working-set prefetch ------------------------------------------------------------------

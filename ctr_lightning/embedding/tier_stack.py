@@ -218,7 +218,7 @@ class TierStack:
         moved = self._write_ssd(victims.select(victims.dirty), background=True)
         self.host_tier.release(victim_slots)
         self.host_tier.insert(Rows(rows.tables, rows.ids, rows.values.cpu(), np.ones(len(rows), dtype=bool),
-                                   rows.locations))
+                                   rows.locations, rows.changed))
         return moved
 
     def _write_ssd(self, rows: Rows, background: bool = False) -> Relocated:
@@ -345,6 +345,7 @@ class TierStack:
             index = torch.from_numpy(slots).to(self.device_tier.device)
             self.device_tier.values[index] = values[start : start + chunk].to(self.device_tier.device)
             self.device_tier.dirty[slots] = True
+            self.device_tier.changed[slots] = True
 
     def export(self) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
         """``(tables, ids, rows)`` of every stored row, its freshest copy, all at once."""
@@ -361,27 +362,38 @@ class TierStack:
         and the keys of the memory tiers, not the table.
 
         With ``changed_only`` (after :meth:`mark_saved`), a superset of the rows changed
-        since the mark: dirty rows of the memory tiers and SSD records written since. A
-        clean row in memory is a copy of its SSD record, so one of the two is included if
-        it changed. Without an SSD tier every row is exported."""
+        since the mark: rows of the memory tiers written since (their ``changed`` flag: set
+        by training, carried down when a row is demoted to the host tier) and SSD records
+        written since that no dirty copy in memory shadows. A row that changed and left
+        memory was written to SSD after the mark. Without an SSD tier every row is
+        exported."""
         self.drain()
         changed_only = changed_only and self.ssd is not None and self._saved_mark is not None
         shadow = KeyIndex()
-        # (tier, its slots to give) in freshest-first order; rows are copied a chunk at a
-        # time, so the memory tiers' values are never duplicated whole.
-        parts: list[tuple[RowCache, np.ndarray]] = []
-        device_slots = self.device_tier.held_slots()
-        if self.host_tier is not None or self.ssd is not None:
-            device_slots = device_slots[self.device_tier.dirty[device_slots]]
-        parts.append((self.device_tier, device_slots))
-        if self.host_tier is not None:
-            host_slots = self.host_tier.held_slots()
-            parts.append((self.host_tier, host_slots[self.host_tier.dirty[host_slots]] if changed_only else host_slots))
-        for tier, slots in parts:  # freshest first: a key already given is skipped after
+        # (tier, slots, whether given) in freshest-first order: a row given is skipped in
+        # later parts, and so is one held back. Rows are copied a chunk at a time, so the
+        # memory tiers' values are never duplicated whole.
+        parts: list[tuple[RowCache, np.ndarray, bool]] = []
+        for tier in (self.device_tier, self.host_tier):
+            if tier is None:
+                continue
+            slots = tier.held_slots()
+            if changed_only:
+                # A dirty row unchanged since the mark is in the snapshot chain already, and
+                # any SSD record of it written since (a cleaning moved it) is older: hold it back.
+                parts.append((tier, slots[tier.changed[slots]], True))
+                parts.append((tier, slots[tier.dirty[slots] & ~tier.changed[slots]], False))
+            elif tier is self.device_tier and (self.host_tier is not None or self.ssd is not None):
+                parts.append((tier, slots[tier.dirty[slots]], True))  # a clean copy is another tier's row
+            else:
+                parts.append((tier, slots, True))
+        for tier, slots, give in parts:
             tables, ids = tier.keys_at(slots)
             fresh = shadow.lookup(tables, ids) < 0
             slots = slots[fresh]
             shadow.insert(tables[fresh], ids[fresh], np.zeros(int(fresh.sum()), dtype=np.int64))
+            if not give:
+                continue
             for start in range(0, len(slots), chunk_rows):
                 rows = tier.rows_at(slots[start : start + chunk_rows])
                 yield rows.tables, rows.ids, rows.values.cpu()
@@ -405,6 +417,9 @@ class TierStack:
         ``export_chunks(changed_only=True)`` starts from here."""
         self.drain()
         self._saved_mark = self.ssd.mark() if self.ssd is not None else None
+        for tier in (self.device_tier, self.host_tier):
+            if tier is not None:
+                tier.changed[:] = False
 
     def begin_load(self) -> None:
         """Forget every stored row, before :meth:`load_chunk` calls."""
