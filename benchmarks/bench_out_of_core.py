@@ -109,14 +109,15 @@ try:  # the recorder is loaded by the CLI (class_path bench_out_of_core.StepReco
         def _save(self, trainer, name: str) -> None:
             from ctr_lightning.callbacks.tiered_collections import tiered_collections
 
+            collections = tiered_collections(trainer.lightning_module, "bench")
             _reset_peak()
             base, start = resident_bytes(), time.perf_counter()
             trainer.save_checkpoint(self.dirpath / f"{name}.ckpt")
             seconds = time.perf_counter() - start
-            snapshot = Path(tiered_collections(trainer.lightning_module, "bench")[0].current_snapshot())
+            snapshot = Path(collections[0].current_snapshot())
             self.results[name] = {"seconds": seconds, "bytes": sum(p.stat().st_size for p in snapshot.iterdir()),
                                   "rss_before": base, "rss_peak": _peak_resident(), "step": trainer.global_step,
-                                  "storage": _stats(tiered_collections(trainer.lightning_module, "bench"))[0]}
+                                  "storage": _stats(collections)[0]}
             Path(self.path).write_text(json.dumps(self.results))
 
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):

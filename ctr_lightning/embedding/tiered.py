@@ -17,7 +17,6 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ctr_lightning.embedding.engine import TableEngine
-from ctr_lightning.fault_points import reached
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 from ctr_lightning.embedding.sharding_plan import SHARDING_KINDS, TableSharding, plan_sharding
@@ -25,6 +24,7 @@ from ctr_lightning.embedding.storage_config import StorageConfig
 from ctr_lightning.embedding.table_checks import check_tables
 from ctr_lightning.embedding.table_setup import TableSetup, check_kernel_device
 from ctr_lightning.embedding.table_snapshot import MANIFEST, SnapshotManifest, SnapshotRef
+from ctr_lightning.fault_points import reached
 from ctr_lightning.strategies.merge_schedule import MergeSchedule
 
 DEFAULT_SYNC_EVERY = 16

@@ -17,13 +17,19 @@ from ctr_lightning.embedding.local_tables import LocalTables
 def gather_tables(local: dict[str, TableState], tables: Sequence[EmbeddingBagConfig],
                   process_group: dist.ProcessGroup) -> dict[str, TableState]:
     """Collective: every rank's per-table export, joined per table."""
-    shards: list[Any] = [None] * process_group.size()
-    dist.all_gather_object(shards, local, group=process_group)
+    shards = gather_objects(local, process_group)
     out: dict[str, TableState] = {}
     for t in tables:
         parts = [s[t.name] for s in shards if t.name in s]
         out[t.name] = {"ids": torch.cat([p["ids"] for p in parts]), "rows": torch.cat([p["rows"] for p in parts]),
                        "steps": max(p["steps"] for p in parts)}
+    return out
+
+
+def gather_objects(item: Any, process_group: dist.ProcessGroup) -> list[Any]:
+    """Collective: every rank's ``item`` (any picklable object), in rank order."""
+    out: list[Any] = [None] * process_group.size()
+    dist.all_gather_object(out, item, group=process_group)
     return out
 
 

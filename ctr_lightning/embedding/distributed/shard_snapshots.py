@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 import torch.distributed as dist
 
+from ctr_lightning.embedding.distributed.collectives import gather_objects
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.sharding_plan import TableSharding
 from ctr_lightning.embedding.table_snapshot import (
@@ -44,7 +45,7 @@ def save_shards(local: LocalTables, directory: str | os.PathLike, process_group:
                            changed_only=parent is not None)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
         failure = e
-    parts = _exchange((part, _describe(rank, failure)), process_group)
+    parts = gather_objects((part, _describe(rank, failure)), process_group)
     _raise_any(directory, failure, [error for _, error in parts])
     shards: list[ShardFiles] = [p for p, _ in parts]
     manifest = join_shards(shards, {t: {"kind": s.kind, "owner": s.owner} for t, s in sorted(plan.items())},
@@ -54,19 +55,13 @@ def save_shards(local: LocalTables, directory: str | os.PathLike, process_group:
             write_manifest(directory, manifest)
         except Exception as e:  # noqa: BLE001
             failure = e
-    _raise_any(directory, failure, _exchange(_describe(rank, failure), process_group))
+    _raise_any(directory, failure, gather_objects(_describe(rank, failure), process_group))
     mark_saved(local)
     return manifest
 
 
 def _describe(rank: int, failure: BaseException | None) -> str | None:
     return None if failure is None else f"rank {rank}: {type(failure).__name__}: {failure}"
-
-
-def _exchange(item, process_group: dist.ProcessGroup) -> list:
-    out = [None] * process_group.size()
-    dist.all_gather_object(out, item, group=process_group)
-    return out
 
 
 def _raise_any(directory: str | os.PathLike, own: BaseException | None, errors: list[str | None]) -> None:
