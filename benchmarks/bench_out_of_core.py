@@ -13,9 +13,8 @@ process's resident memory and what the tiers hold. Then, side by side on this ma
 It also checkpoints through TableSnapshots when the run reaches its size (every row),
 trains 50 more steps and checkpoints again (incremental), then resumes from that
 checkpoint in a new process (``fit --ckpt_path``, other SSD files), and reports each
-one's time, bytes written and peak resident memory. A full snapshot needs about the live
-rows again in disk beside the SSD files: at 1.5x RAM more than a 70 GB disk holds, so
-take a smaller ``--target`` for it, or ``--skip checkpoint``.
+one's time, bytes written, bytes shared with the SSD files (sealed segments, hard-linked),
+the disk space it took and peak resident memory.
 
 It prints one table: memory (resident against the DRAM budget, index bytes per SSD row),
 speed (last 10% against first 10%, first 10% against all in memory), disk (SSD files
@@ -110,12 +109,17 @@ try:  # the recorder is loaded by the CLI (class_path bench_out_of_core.StepReco
             from ctr_lightning.callbacks.tiered_collections import tiered_collections
 
             collections = tiered_collections(trainer.lightning_module, "bench")
+            from ctr_lightning.embedding.table_snapshot import SnapshotManifest
+
             _reset_peak()
+            disk_before = shutil.disk_usage(self.dirpath.parent).used
             base, start = resident_bytes(), time.perf_counter()
             trainer.save_checkpoint(self.dirpath / f"{name}.ckpt")
             seconds = time.perf_counter() - start
-            snapshot = Path(collections[0].current_snapshot())
-            self.results[name] = {"seconds": seconds, "bytes": sum(p.stat().st_size for p in snapshot.iterdir()),
+            manifest = SnapshotManifest.read(collections[0].current_snapshot())
+            self.results[name] = {"seconds": seconds, "bytes": sum(f.bytes for f in manifest.files),
+                                  "shared": sum(f.shared_bytes for f in manifest.files),
+                                  "disk": shutil.disk_usage(self.dirpath.parent).used - disk_before,
                                   "rss_before": base, "rss_peak": _peak_resident(), "step": trainer.global_step,
                                   "storage": _stats(collections)[0]}
             Path(self.path).write_text(json.dumps(self.results))
@@ -206,8 +210,9 @@ def report_checkpoints(saves: Path, resume: Path, budget: int) -> None:
           f"{budget / 2**30:.2f} GiB):")
     for name, r in done.items():
         print(f"  {name} save at step {r['step']}: {r['seconds']:.1f} s, {r['bytes'] / 2**30:.2f} GiB written "
-              f"({r['bytes'] / live:.3f}x the live rows), peak resident {r['rss_peak'] / 2**30:.2f} GiB "
-              f"(before {r['rss_before'] / 2**30:.2f} GiB)")
+              f"({r['bytes'] / live:.3f}x the live rows), {r.get('shared', 0) / 2**30:.2f} GiB of SSD segments "
+              f"shared by hard link, disk used +{r.get('disk', 0) / 2**30:.2f} GiB, peak resident "
+              f"{r['rss_peak'] / 2**30:.2f} GiB (before {r['rss_before'] / 2**30:.2f} GiB)")
     print(f"  resume (fit --ckpt_path: command start to first step, the chain of 2 loaded): "
           f"{resumed['seconds']:.1f} s, peak resident {resumed['rss_peak'] / 2**30:.2f} GiB")
 

@@ -32,8 +32,8 @@ import torch
 
 import ctr_lightning  # noqa: F401 - registers the config classes a checkpoint may hold
 from ctr_lightning.embedding.key_index import KeyIndex
-from ctr_lightning.embedding.row_files import file_sha256, read_row_file
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest, verify
+from ctr_lightning.embedding.row_files import file_sha256
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest, read_snapshot_file, verify
 
 FORMAT = "ctr-lightning-export-1"
 
@@ -57,7 +57,7 @@ def _table_chunks(extra: dict[str, Any], chunk_rows: int) -> tuple[dict[str, dic
             codes = {name: code for code, name in enumerate(manifest.tables)}
             for depth, (path, member) in enumerate(chain):
                 for f in member.files:
-                    for names, tables, ids, rows in read_row_file(path / f.name, f.width):
+                    for names, tables, ids, rows in read_snapshot_file(path, f):
                         # A table an ancestor has but the newest snapshot dropped: -1, never given.
                         keys = np.array([codes.get(n, -1) for n in names], dtype=np.int64)[tables]
                         known = keys >= 0

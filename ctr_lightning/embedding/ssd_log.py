@@ -6,6 +6,8 @@ import errno
 import os
 import threading
 import time
+import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +20,9 @@ from ctr_lightning.embedding.record_io import transfer_records
 from ctr_lightning.fault_points import reached
 
 _HEADER = 4  # float32 words before a record's row: id (int64), table (int32), unused (int32)
+# A record's key in the segment's keys file (slot order), so the live records of a sealed
+# segment are known without reading it: a snapshot shares the segment by hard link.
+KEY = np.dtype([("table", "<i4"), ("id", "<i8")])
 
 
 _READ_THREADS = 4  # reads in flight on one read of many records (4-8 measured best here)
@@ -52,6 +57,26 @@ class _Segment:
     live: int = 0  # records the index points at
     pins: int = 0  # readers holding its descriptor (a prefetch thread)
     retired: bool = False  # deleted from disk; its descriptor closes once unpinned
+    keys_fd: int = -1  # the keys file: each record's (table, id), in slot order
+    crc: int = 0  # CRC-32 of the file as written so far (appends only): no re-read to share it
+    synced: bool = False  # fsynced since sealed (a snapshot shares it)
+
+    @property
+    def keys_path(self) -> Path:
+        return self.path.with_suffix(".keys")
+
+
+@dataclass(frozen=True)
+class SealedSegment:
+    """A segment no write will touch again: its files, record count, CRC-32, the keys of
+    its records (slot order) and which of them are live (the index points at them)."""
+
+    path: Path
+    keys_path: Path
+    records: int
+    crc: int
+    keys: np.ndarray  # KEY [records]
+    live: np.ndarray  # bool [records]
 
 
 @dataclass
@@ -126,8 +151,8 @@ class SsdLog:
         self.lock = threading.Lock()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
-            for stale in self.directory.glob(f"{name}.*.seg"):  # a previous run's: this one starts empty
-                stale.unlink()
+            for stale in [*self.directory.glob(f"{name}.*.seg"), *self.directory.glob(f"{name}.*.keys")]:
+                stale.unlink()  # a previous run's: this one starts empty (a snapshot keeps its own links)
         except OSError as e:
             raise OSError(e.errno, f"SSD tier of tables {table_names}: cannot create files in "
                                    f"{self.directory}: {e.strerror}") from e
@@ -139,8 +164,8 @@ class SsdLog:
 
     @property
     def disk_bytes(self) -> int:
-        """Bytes of the segment files on disk (live and garbage records)."""
-        return sum(s.written for s in self.segments.values() if not s.retired) * self.record_bytes
+        """Bytes of the segment files on disk (live and garbage records, and their keys)."""
+        return sum(s.written for s in self.segments.values() if not s.retired) * (self.record_bytes + KEY.itemsize)
 
     @property
     def live_bytes(self) -> int:
@@ -166,7 +191,8 @@ class SsdLog:
         return OSError(err, f"SSD tier of tables {self.table_names}: {action} {path} failed: {os.strerror(err)}; "
                             f"rows already written are intact")
 
-    def _new_segment(self) -> _Segment:
+    def _next_number(self) -> tuple[int, int, Path]:
+        """``(number, generation, path)`` of the next segment."""
         number = self._free_numbers.pop() if self._free_numbers else len(self.segments) + len(self._retiring())
         while number in self.segments:
             number += 1
@@ -175,15 +201,25 @@ class SsdLog:
                                 f"{self.directory}; use larger segments or shard the tables over more ranks")
         generation = self._generations.get(number, -1) + 1
         self._generations[number] = generation
-        path = self.directory / f"{self.name}.{number:06d}.{generation}.seg"
+        return number, generation, self.directory / f"{self.name}.{number:06d}.{generation}.seg"
+
+    def _add_segment(self, number: int, generation: int, path: Path, create: bool, **fields) -> _Segment:
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC if create else os.O_RDONLY  # adopted: never written
+        fds = []
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            for file in (path, path.with_suffix(".keys")):
+                fds.append(os.open(file, flags, 0o644))
         except OSError as e:
-            raise self._fail("creating", path, e.errno) from e
-        segment = _Segment(number, path, fd, generation, self._serials)
+            for fd in fds:
+                os.close(fd)
+            raise self._fail("creating" if create else "opening", file, e.errno) from e
+        segment = _Segment(number, path, fds[0], generation, self._serials, keys_fd=fds[1], **fields)
         self._serials += 1
         self.segments[number] = segment
         return segment
+
+    def _new_segment(self) -> _Segment:
+        return self._add_segment(*self._next_number(), create=True)
 
     def _retiring(self) -> list[_Segment]:
         return [s for s in self.segments.values() if s.retired]
@@ -329,6 +365,14 @@ class SsdLog:
             if transfer_records(segment.fd, records[start : start + n], slots, True) >= 0:
                 raise self._fail("writing", segment.path, _errno_of(segment.fd, records[start], segment.written,
                                                                     self.record_bytes))
+            keys = np.empty(n, dtype=KEY)
+            keys["table"], keys["id"] = tables[start : start + n], ids[start : start + n]
+            try:
+                if os.pwrite(segment.keys_fd, keys.tobytes(), segment.written * KEY.itemsize) != keys.nbytes:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError as e:
+                raise self._fail("writing", segment.keys_path, e.errno) from e
+            segment.crc = zlib.crc32(records[start : start + n], segment.crc)
             segment.written += n
             self.bytes_written += n * self.record_bytes
             reached("ssd_write")
@@ -385,6 +429,7 @@ class SsdLog:
     def _retire(self, segment: _Segment) -> None:
         segment.retired = True
         segment.path.unlink(missing_ok=True)  # open descriptors keep reading what they pinned
+        segment.keys_path.unlink(missing_ok=True)
         self.segments_cleaned += 1
         self._close_retired()
 
@@ -392,6 +437,7 @@ class SsdLog:
         for segment in self._retiring():
             if segment.pins == 0:
                 os.close(segment.fd)
+                os.close(segment.keys_fd)
                 del self.segments[segment.number]
                 self._free_numbers.append(segment.number)
 
@@ -431,6 +477,69 @@ class SsdLog:
         for segment_serial, number in numbers:
             yield from self._segment_entries(number, written if segment_serial == serial else 0, chunk_records)
 
+    def active_entries(self, mark: tuple[int, int] | None = None, chunk_records: int = 1 << 16):
+        """As :meth:`entries`, for the segment being filled only (the others are
+        :meth:`sealed`); with ``mark``, its records written after it."""
+        active = self._active
+        if active is None or active.retired or (mark is not None and active.serial < mark[0]):
+            return
+        first = mark[1] if mark is not None and active.serial == mark[0] else 0
+        yield from self._segment_entries(active.number, first, chunk_records)
+
+    def sealed(self, mark: tuple[int, int] | None = None) -> Iterator[SealedSegment]:
+        """The segments no write touches again, made durable (fsync), oldest first; with
+        ``mark``, those that were not sealed at the mark. Keys come from their keys files,
+        so no segment is read; the caller must not write meanwhile."""
+        with self.lock:
+            segments = sorted((s.serial, n) for n, s in self.segments.items()
+                              if not s.retired and s is not self._active and (mark is None or s.serial >= mark[0]))
+        for _, number in segments:
+            with self.lock:
+                segment = self.segments[number]
+                try:
+                    keys = np.frombuffer(os.pread(segment.keys_fd, segment.written * KEY.itemsize, 0), dtype=KEY)
+                    if len(keys) != segment.written:
+                        raise OSError(errno.EIO, "keys file cut short")
+                    if not segment.synced:
+                        os.fsync(segment.fd)
+                        os.fsync(segment.keys_fd)
+                        segment.synced = True
+                except OSError as e:
+                    raise self._fail("reading", segment.keys_path, e.errno) from e
+                locations = number * self.segment_records + np.arange(segment.written, dtype=np.int64)
+                live = self.index.is_current(keys["table"], keys["id"], locations)
+            yield SealedSegment(segment.path, segment.keys_path, segment.written, segment.crc, keys, live)
+
+    def can_adopt(self, record_bytes: int, records: int) -> bool:
+        """Whether a sealed segment of these dimensions fits this log's record numbers."""
+        return record_bytes == self.record_bytes and records <= self.segment_records
+
+    def adopt(self, path: Path, keys_path: Path, records: int, crc: int, keys: np.ndarray, take: np.ndarray) -> bool:
+        """Make a sealed segment of another log (a snapshot's hard link) one of this log's
+        by hard link, its records at ``take`` live (keys absent here). False, with nothing
+        changed, where the files cannot be linked (another file system)."""
+        with self.lock:
+            number, generation, dest = self._next_number()
+            linked = []
+            try:
+                for source, target in ((path, dest), (keys_path, dest.with_suffix(".keys"))):
+                    os.link(source, target)
+                    linked.append(target)
+            except OSError as e:
+                for target in linked:
+                    target.unlink(missing_ok=True)
+                if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                    self._generations[number] -= 1
+                    self._free_numbers.append(number)
+                    return False
+                raise self._fail("linking", dest, e.errno) from e
+            slots = np.flatnonzero(take)
+            self._add_segment(number, generation, dest, create=False, written=records, live=len(slots), crc=crc,
+                              synced=True)
+            self.index.put(keys["table"][slots], keys["id"][slots], np.full(len(slots), -1, dtype=np.int64),
+                           number * self.segment_records + slots)
+            return True
+
     def clear(self) -> None:
         with self.lock:
             for segment in list(self.segments.values()):
@@ -444,7 +553,8 @@ class SsdLog:
         for segment in list(self.segments.values()):
             if segment.fd >= 0:
                 os.close(segment.fd)
-                segment.fd = -1
+                os.close(segment.keys_fd)
+                segment.fd = segment.keys_fd = -1
         self.segments.clear()
 
     def __del__(self) -> None:

@@ -2,9 +2,12 @@
 written last, by an atomic rename, that makes it complete.
 
 Saving holds one chunk of rows and the keys of the memory tiers, never a whole table;
-loading checks every file's size and SHA-256 against the manifest first, then streams
-the rows into the tiers (onto SSD where there is one), keeping those ``keep`` selects, so
-a snapshot loads into other storage budgets and, through ``keep``, into another sharding.
+the sealed segments of an SSD log on the same file system are not copied but shared by
+hard link (:mod:`segment_sets`). Loading checks every file's size and checksum against
+the manifest first, then streams the rows into the tiers (onto SSD where there is one),
+or takes shared segments back into the SSD log by hard link, keeping the rows ``keep``
+selects, so a snapshot loads into other storage budgets and, through ``keep``, into
+another sharding.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,15 @@ import numpy as np
 import torch
 
 from ctr_lightning.embedding.row_files import RowFileError, RowFileWriter, file_sha256, read_row_file
+from ctr_lightning.embedding.segment_sets import (
+    SegmentSetWriter,
+    can_share,
+    read_segment_set,
+    segment_rows,
+    segment_set_rows,
+    verify_segment_set,
+)
+from ctr_lightning.embedding.ssd_log import SsdLog
 from ctr_lightning.fault_points import reached
 
 MANIFEST = "manifest.json"
@@ -29,14 +41,18 @@ FORMAT = "ctr-lightning-table-snapshot-1"
 
 @dataclass(frozen=True)
 class SnapshotFile:
-    """One row file: its name in the snapshot directory, size, SHA-256, the tables it
-    holds rows of (with their counts) and the width of its rows."""
+    """One file: its name in the snapshot directory, size, SHA-256, the tables it holds
+    rows of (with their counts) and the width of its rows. ``kind`` "rows": a row file;
+    "segments": a segment set, whose hard-linked segments hold ``shared_bytes`` more
+    (bytes the snapshot did not write)."""
 
     name: str
     bytes: int
     sha256: str
     width: int
     rows: dict[str, int]
+    kind: str = "rows"
+    shared_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -157,11 +173,20 @@ def write_shard(engine, directory: str | os.PathLike, rank: int = 0, chunk_rows:
     files, step_counts, tables = [], {}, {}
     for g, group in enumerate(engine.groups):
         name = f"rank{rank}-group{g}.rows"
+        ssd = group.tiers.ssd
+        share = (SegmentSetWriter(Path(directory) / f"rank{rank}-group{g}.segments", group.names, group.width,
+                                  ssd.record_bytes)
+                 if isinstance(ssd, SsdLog) and can_share(ssd.directory, directory) else None)
         with RowFileWriter(Path(directory) / name, group.names, group.width) as out:
-            for t, i, rows in group.tiers.export_chunks(chunk_rows, changed_only=changed_only):
+            for t, i, rows in group.tiers.export_chunks(chunk_rows, changed_only=changed_only, share=share):
                 out.write(t, i, rows)
         files.append(SnapshotFile(name, out.size, out.sha256, group.width,
                                   dict(zip(group.names, out.rows_per_table))))
+        if share is not None and share.segments:
+            share.close()
+            files.append(SnapshotFile(share.path.name, share.size, share.sha256, group.width,
+                                      dict(zip(group.names, share.rows_per_table)), kind="segments",
+                                      shared_bytes=share.shared_bytes))
         for local, table in enumerate(group.names):
             step_counts[table] = int(group.steps[local]) if steps is None else int(steps[table])
             config = group.tables[local]
@@ -221,6 +246,17 @@ def verify(directory: str | os.PathLike, manifest: SnapshotManifest) -> None:
         if file_sha256(path) != f.sha256:
             raise RowFileError(f"table snapshot {directory}: {f.name} (tables {tables}) does not match its "
                                f"checksum in the manifest")
+        if f.kind == "segments":
+            verify_segment_set(read_segment_set(path))
+
+
+def read_snapshot_file(directory: str | os.PathLike, f: SnapshotFile,
+                       chunk_rows: int = 1 << 16) -> Iterator[tuple[list[str], np.ndarray, np.ndarray, torch.Tensor]]:
+    """``(table_names, tables, ids, rows)`` of one file of a snapshot, a chunk at a time,
+    whatever its kind."""
+    if f.kind == "segments":
+        return segment_set_rows(Path(directory) / f.name, f.width, chunk_rows)
+    return read_row_file(Path(directory) / f.name, f.width)
 
 
 def load_tables(engine, directory: str | os.PathLike,
@@ -250,7 +286,7 @@ def load_tables(engine, directory: str | os.PathLike,
     # Newest first: a row an incremental snapshot holds replaces its ancestors' copies.
     for depth, (path, member) in enumerate(chain):
         for f in member.files:
-            for names, tables, ids, rows in read_row_file(path / f.name, f.width):
+            for names, tables, ids, rows in _rows_to_load(engine, path, f, keep, older=depth > 0):
                 for code, name in enumerate(names):
                     if name not in engine.table_of_name:
                         continue  # a table this collection does not have
@@ -267,3 +303,28 @@ def load_tables(engine, directory: str | os.PathLike,
         group.steps = np.array([manifest.steps[name] for name in group.names], dtype=np.int64)
     mark_saved(engine)
     return manifest
+
+
+def _rows_to_load(engine, directory: Path, f: SnapshotFile, keep: Callable[[str, torch.Tensor], torch.Tensor] | None,
+                  older: bool) -> Iterator[tuple[list[str], np.ndarray, np.ndarray, torch.Tensor]]:
+    """The rows of ``f`` to load as rows: a segment set's segments the SSD log of the
+    group they came from takes by hard link are left out (taken here)."""
+    if f.kind != "segments":
+        yield from read_row_file(directory / f.name, f.width)
+        return
+    segment_set = read_segment_set(directory / f.name)
+    group = next((g for g in engine.groups if g.names == segment_set.tables), None)
+    left = range(len(segment_set.segments))
+    if group is not None:
+        def kept(tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+            mask = np.ones(len(ids), dtype=bool)
+            if keep is not None:
+                for code, name in enumerate(segment_set.tables):
+                    mine = np.flatnonzero(tables == code)
+                    mask[mine] = keep(name, torch.from_numpy(ids[mine])).numpy()
+            return mask
+
+        left = group.tiers.adopt_segments(segment_set, kept if keep is not None else None, older)
+    for n in left:
+        for tables, ids, rows in segment_rows(segment_set, segment_set.segments[n]):
+            yield segment_set.tables, tables, ids, rows

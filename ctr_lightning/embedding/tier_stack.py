@@ -15,6 +15,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from ctr_lightning.embedding.initializer import initial_rows, initialize_slots, table_key
 from ctr_lightning.embedding.key_index import KeyIndex, dedup
 from ctr_lightning.embedding.row_cache import RowCache, Rows
+from ctr_lightning.embedding.segment_sets import SegmentSet, SegmentSetWriter, segment_keys
 from ctr_lightning.embedding.ssd import DirectSsdStore
 from ctr_lightning.embedding.ssd_log import NO_SSD_COUNTERS, Relocated, SsdLog
 from ctr_lightning.embedding.table_setup import TableSetup, has_host_tier
@@ -355,11 +356,15 @@ class TierStack:
         return (np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks]),
                 torch.cat([c[2] for c in chunks]))
 
-    def export_chunks(self, chunk_rows: int = 1 << 16,
-                      changed_only: bool = False) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
+    def export_chunks(self, chunk_rows: int = 1 << 16, changed_only: bool = False,
+                      share: SegmentSetWriter | None = None) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
         """Every stored row once, its freshest copy, a chunk at a time: the memory tiers'
         rows first, then the SSD records no copy in memory shadows. Memory held: one chunk
         and the keys of the memory tiers, not the table.
+
+        With ``share`` (an SSD log on the file system of the snapshot being written), the
+        records of sealed segments are not yielded: the segments are handed to ``share``
+        (hard-linked), with the records that belong; only the segment being filled is read.
 
         With ``changed_only`` (after :meth:`mark_saved`), a superset of the rows changed
         since the mark: rows of the memory tiers written since (their ``changed`` flag: set
@@ -405,8 +410,16 @@ class TierStack:
             if fresh.any():
                 yield part.tables[fresh], part.ids[fresh], part.values[torch.from_numpy(np.flatnonzero(fresh))]
         if self.ssd is not None:
-            records = (self.ssd.entries_since(self._saved_mark, chunk_records=chunk_rows) if changed_only
-                       else self.ssd.entries(chunk_records=chunk_rows))
+            mark = self._saved_mark if changed_only else None
+            if share is not None and isinstance(self.ssd, SsdLog):
+                for sealed in self.ssd.sealed(mark):
+                    shadowed = shadow.lookup(sealed.keys["table"], sealed.keys["id"]) >= 0 if len(shadow) else False
+                    share.add(sealed, sealed.live & ~shadowed)
+                records = self.ssd.active_entries(mark, chunk_records=chunk_rows)
+            elif changed_only:
+                records = self.ssd.entries_since(self._saved_mark, chunk_records=chunk_rows)
+            else:
+                records = self.ssd.entries(chunk_records=chunk_rows)
             for tables, ids, data in records:
                 keep = shadow.lookup(tables, ids) < 0 if len(shadow) else np.ones(len(ids), dtype=bool)
                 if keep.any():
@@ -457,6 +470,37 @@ class TierStack:
             self.host_tier.insert(loaded)
         else:
             self.device_tier.insert(loaded)
+
+    def adopt_segments(self, segment_set: SegmentSet, keep: np.ndarray | None = None,
+                       older: bool = False) -> list[int]:
+        """Take the segments of a snapshot's segment set into the SSD log by hard link (no
+        row copied), their records that belong to the set and that ``keep`` (a function
+        of ``(tables, ids)`` giving a mask) selects; with ``older``, keys loaded already are
+        skipped (see :meth:`load_chunk`). Returns the segments it could not take (another
+        record layout or file system): the caller loads their rows instead."""
+        if not isinstance(self.ssd, SsdLog) or segment_set.tables != self.names:
+            return list(range(len(segment_set.segments)))
+        self.drain()
+        left = []
+        for n, segment in enumerate(segment_set.segments):
+            if not self.ssd.can_adopt(segment_set.record_bytes, segment.records):
+                left.append(n)
+                continue
+            keys = segment_keys(segment_set, segment)
+            take = segment.take.copy()
+            if keep is not None and take.any():
+                take[take] = keep(keys["table"][take].astype(np.int64), keys["id"][take])
+            if older and take.any():
+                where = np.flatnonzero(take)
+                take[where[self.ssd.read(keys["table"][where].astype(np.int64), keys["id"][where])[0]]] = False
+            if not take.any():
+                continue
+            self.check_ids(keys["table"][take].astype(np.int64), keys["id"][take])
+            folder = segment_set.path.parent
+            if not self.ssd.adopt(folder / segment.file, folder / segment.keys, segment.records, segment.crc32, keys,
+                                  take):
+                left.append(n)
+        return left
 
     def load(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
         """Replace every stored row by ``rows`` of (``tables``, ``ids``)."""

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from ctr_lightning.embedding.location_index import key_hash
-from ctr_lightning.embedding.ssd_log import SsdLog
+from ctr_lightning.embedding.ssd_log import KEY, SsdLog
 
 
 def write_tracked(log, where, tables, ids, rows):
@@ -27,7 +27,9 @@ def test_cleaning_keeps_the_latest_rows_and_the_files_near_the_live_bytes(tmp_pa
         write_tracked(log, where, tables, ids, rows)
         latest.update({(int(t), int(i)): r for t, i, r in zip(tables, ids, rows)})
         # Garbage over 30% of the live records is cleaned away, a few segments at most behind.
-        assert log.disk_bytes <= 1.3 * log.live_bytes + 3 * log.segment_records * log.record_bytes
+        # (with each record's key in the keys file beside its segment)
+        on_disk = log.record_bytes + KEY.itemsize
+        assert log.disk_bytes <= 1.3 * len(log) * on_disk + 3 * log.segment_records * on_disk
     assert log.segments_cleaned > 50 and log.records_moved > 0
     keys = list(latest)
     found, rows, locations = log.read(np.array([k[0] for k in keys]), np.array([k[1] for k in keys]))
@@ -35,7 +37,7 @@ def test_cleaning_keeps_the_latest_rows_and_the_files_near_the_live_bytes(tmp_pa
     np.testing.assert_array_equal(rows, np.stack([latest[k] for k in keys]))
     assert locations.tolist() == [where[k] for k in keys]
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert len(files) == len([s for s in log.segments.values() if not s.retired])
+    assert len(files) == 2 * len([s for s in log.segments.values() if not s.retired])  # segment and keys file
     chunks = list(log.entries(chunk_records=100))
     assert sum(len(c[1]) for c in chunks) == len(keys)
 

@@ -1,6 +1,11 @@
 """Table snapshots: streamed from every tier, checked by their manifest, loaded into any budgets."""
 
 import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -167,8 +172,87 @@ def test_incremental_snapshots_hold_the_changed_rows_and_load_as_a_chain(tmp_pat
     assert all(torch.equal(a[1], b[1]) for a, b in zip(full_state(again).values(), full_state(ebc).values()))
 
     # The chain is checked: a parent gone, or replaced, is named.
-    import shutil
-
     shutil.rmtree(tmp_path / "s1")
     with pytest.raises(FileNotFoundError, match=r"s2 is incremental over .*s1, which is gone"):
         again.load_tables(tmp_path / "s2")
+
+
+def _inodes(directory, pattern="*"):
+    return {p.stat().st_ino for p in directory.glob(pattern)}
+
+
+def test_sealed_ssd_segments_are_shared_by_hard_link_and_taken_back_on_load(tmp_path):
+    tiny = StorageConfig(device_rows=60, host_rows=40, ssd_dir=str(tmp_path / "a"), ssd_segment_bytes=4 << 10)
+    ebc, _ = trained(tiny)
+    want = full_state(ebc)
+    manifest = ebc.save_tables(tmp_path / "snap")
+    shared = [f for f in manifest.files if f.kind == "segments"]
+    written = sum(f.bytes for f in manifest.files)
+    assert len(shared) >= 2 and sum(f.shared_bytes for f in shared) > 3 * written, manifest.files
+    assert sum(sum(f.rows.values()) for f in manifest.files) == sum(len(v[0]) for v in want.values())
+    linked = list((tmp_path / "snap").glob("*.seg"))
+    assert linked and _inodes(tmp_path / "snap", "*.seg") <= _inodes(tmp_path / "a", "*.seg")  # no copy
+    # Training on rewrites rows and cleans segments away: the snapshot keeps its own.
+    for kjt, target in list(growing_workload(200))[120:]:
+        loss_of(ebc(kjt), target).backward()
+    assert any(p.stat().st_nlink == 1 for p in linked)
+    layouts = {"same segments": StorageConfig(device_rows=60, host_rows=0, ssd_dir=str(tmp_path / "b"),
+                                              ssd_segment_bytes=4 << 10),
+               "smaller segments": StorageConfig(device_rows=60, host_rows=0, ssd_dir=str(tmp_path / "c"),
+                                                 ssd_segment_bytes=2 << 10),
+               "memory": StorageConfig()}
+    for label, storage in layouts.items():
+        other = TieredEmbeddingBagCollection(TABLES, storage=storage, optimizer=SparseAdam(lr=0.05))
+        other.load_tables(tmp_path / "snap")
+        got = full_state(other)
+        for t in want:
+            assert torch.equal(want[t][0], got[t][0]) and torch.equal(want[t][1], got[t][1]), (label, t)
+    # Same record layout: the segments were taken back by hard link, none was rewritten.
+    assert _inodes(tmp_path / "snap", "*.seg") <= _inodes(tmp_path / "b", "*.seg")
+    assert not _inodes(tmp_path / "snap", "*.seg") & _inodes(tmp_path / "c", "*.seg")
+
+
+def test_a_damaged_or_missing_shared_segment_is_named(tmp_path):
+    tiny = StorageConfig(device_rows=60, host_rows=0, ssd_dir=str(tmp_path / "a"), ssd_segment_bytes=4 << 10)
+    ebc, _ = trained(tiny, steps=60)
+    ebc.save_tables(tmp_path / "snap")
+    del ebc
+    shutil.rmtree(tmp_path / "a")  # the snapshot holds its segments alone now
+    segment = sorted((tmp_path / "snap").glob("rank0-group0.*.seg"))[0]
+    data = bytearray(segment.read_bytes())
+    data[len(data) // 3] ^= 0x01
+    segment.write_bytes(bytes(data))
+    target = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
+    tables = re.escape(str(json.loads((tmp_path / "snap" / "rank0-group0.segments").open("rb").readline())["tables"]))
+    with pytest.raises(RowFileError, match=rf"{segment.name} \(tables {tables}\) does not match its checksum "
+                                           r"in rank0-group0.segments"):
+        target.load_tables(tmp_path / "snap")
+    segment.unlink()
+    with pytest.raises(RowFileError, match=rf"{segment.name} \(tables {tables}\) is missing"):
+        target.load_tables(tmp_path / "snap")
+
+
+def test_snapshots_across_file_systems_copy_the_rows(tmp_path):
+    other_fs = Path("/dev/shm")
+    if not other_fs.is_dir() or os.stat(other_fs).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on a file system of its own")
+    elsewhere = Path(tempfile.mkdtemp(dir=other_fs, prefix="ctr-snapshot-test-"))
+    try:
+        tiny = StorageConfig(device_rows=60, host_rows=0, ssd_dir=str(tmp_path / "a"), ssd_segment_bytes=4 << 10)
+        ebc, _ = trained(tiny, steps=60)
+        want = full_state(ebc)
+        # Saved on another file system: the rows are copied (no hard link can cross).
+        manifest = ebc.save_tables(elsewhere / "snap")
+        assert {f.kind for f in manifest.files} == {"rows"}
+        # Saved beside the SSD files, loaded into an SSD tier elsewhere: read, not linked.
+        ebc.save_tables(tmp_path / "snap")
+        for snapshot in (elsewhere / "snap", tmp_path / "snap"):
+            storage = StorageConfig(device_rows=60, host_rows=0, ssd_dir=str(elsewhere / "ssd"),
+                                    ssd_segment_bytes=4 << 10)
+            other = TieredEmbeddingBagCollection(TABLES, storage=storage, optimizer=SparseAdam(lr=0.05))
+            other.load_tables(snapshot)
+            got = full_state(other)
+            assert all(torch.equal(want[t][1], got[t][1]) for t in want), snapshot
+            del other
+    finally:
+        shutil.rmtree(elsewhere)

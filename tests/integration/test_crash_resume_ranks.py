@@ -15,8 +15,7 @@ import pytest
 import torch
 import yaml
 
-from ctr_lightning.embedding.row_files import read_row_file
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest, read_snapshot_file
 from ctr_lightning.fault_points import POINTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +65,7 @@ def _final(work: Path) -> dict:
     rows = {}
     for path, member in manifest.chain(snapshot):
         for f in member.files:
-            for names, tables, ids, values in read_row_file(path / f.name, f.width):
+            for names, tables, ids, values in read_snapshot_file(path, f):
                 for t, i, row in zip(tables.tolist(), ids.tolist(), values):
                     rows.setdefault((names[t], i), row)
     return {"dense": state, "optimizer": ckpt["optimizer_states"], "rows": rows, "steps": manifest.steps}

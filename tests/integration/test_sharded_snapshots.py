@@ -10,8 +10,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
-from ctr_lightning.embedding.row_files import read_row_file
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest, read_snapshot_file
 
 TABLES = [
     EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=400, feature_names=["f0"]),
@@ -132,7 +131,7 @@ def test_two_ranks_save_their_own_rows_and_the_snapshot_loads_anywhere(tmp_path,
         # Each rank wrote only its own rows: no row is in two files.
         keys = []
         for f in manifest.files:
-            for names, tables, ids, _ in read_row_file(tmp_path / f"snap_{label}" / f.name):
+            for names, tables, ids, _ in read_snapshot_file(tmp_path / f"snap_{label}", f):
                 keys += [(names[t], i) for t, i in zip(tables.tolist(), ids.tolist())]
         assert len(keys) == len(set(keys)) > 100
         kinds = {v["kind"] for v in manifest.sharding.values()}
