@@ -2,8 +2,8 @@
 prints steps/s and the bytes it sent.
 
 The model is the over-arch of configs/criteo.yaml (about 2.1M parameters) on random
-features: dense parameters are what k-step merging saves traffic on (sharded tables
-keep their per-step all-to-alls whatever k is).
+features, or on 26 row-wise sharded tables (dim 16, Zipf ids) whose sync is per step
+(all-to-alls of ids and pooled rows) or every 16 steps (replicas, deltas to owners).
 
     MASTER_ADDR=... MASTER_PORT=... WORLD_SIZE=2 NODE_RANK=r LOCAL_RANK=0 \
         python benchmarks/bench_kstep.py --config k16 --steps 48
@@ -81,6 +81,11 @@ class Clock(pl.Callback):
             self.steps += 1
 
 
+# With tables: (dense k, sparse_sync). Fully synchronous training is emb_sync.
+TABLE_CONFIGS = {"emb_sync": (1, "step"), "emb_step": (16, "step"), "emb_sparse16": (1, "k_step"),
+                 "emb_k16": (16, "k_step")}
+
+
 def strategy(name: str):
     if name == "k1":
         return KStepAdamStrategy(k=1, mode="all")
@@ -98,14 +103,14 @@ def strategy(name: str):
 
         return DDPStrategy(model_averaging_period=16, ddp_comm_state=post_localSGD.PostLocalSGDState(
             process_group=None, subgroup=None, start_localSGD_iter=8), ddp_comm_hook=post_localSGD.post_localSGD_hook)
-    if name in ("emb_step", "emb_k16"):  # dense k=16 in both; the sparse sync differs
-        return KStepAdamStrategy(k=16, mode="all")
+    if name in TABLE_CONFIGS:
+        return KStepAdamStrategy(k=TABLE_CONFIGS[name][0], mode="all")
     raise ValueError(f"unknown configuration {name!r}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, choices=["k1", "k16", "k16_fp32", "k16_overlap", "ddp_avg16", "emb_step", "emb_k16"])
+    parser.add_argument("--config", required=True, choices=["k1", "k16", "k16_fp32", "k16_overlap", "ddp_avg16", *TABLE_CONFIGS])
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--batch", type=int, default=256)
     args = parser.parse_args()
@@ -123,20 +128,19 @@ def main() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=chosen, max_steps=args.steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[clock])
-    module = WithTables("k_step" if args.config == "emb_k16" else "step") if args.config.startswith("emb") \
-        else OverArch()
+    module = WithTables(TABLE_CONFIGS[args.config][1]) if args.config in TABLE_CONFIGS else OverArch()
     trainer.fit(module, DataLoader(data, batch_size=args.batch))
     seconds = time.perf_counter() - clock.start
     params = sum(p.numel() for p in module.parameters())
+    tables_sent = module.ebc.comm_bytes() / args.steps if isinstance(module, WithTables) else 0.0
     if isinstance(chosen, KStepAdamStrategy):
-        sent = chosen.comm_bytes()[1] / args.steps
-        if isinstance(module, WithTables):  # the tables' all-to-alls cross the link too
-            sent += module.ebc.comm_bytes() / args.steps
+        sent = chosen.comm_bytes()[1] / args.steps + tables_sent  # the tables' all-to-alls cross the link too
     else:  # a ring all-reduce of the gradients every step (plus the periodic averages)
         sent = 2 * (2 - 1) * params * 4 / 2 * (1 + 1 / 16)
     if trainer.global_rank == 0:
         print("RESULT " + json.dumps({"config": args.config, "steps_per_s": clock.steps / seconds,
-                                      "bytes_per_step": sent, "params": params}), flush=True)
+                                      "bytes_per_step": sent, "table_bytes_per_step": tables_sent,
+                                      "params": params}), flush=True)
     if torch.distributed.is_initialized():  # an orderly shutdown of the gloo threads
         torch.distributed.destroy_process_group()
 

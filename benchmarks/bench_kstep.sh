@@ -8,15 +8,19 @@
 #   k16_fp32   the same with moment_dtype="float32": moments averaged exactly
 #   k16_overlap  the same with overlap=True: each merge travels during the next 16 steps
 #   ddp_avg16  Lightning's DDPStrategy(model_averaging_period=16) (post-local SGD)
-#   emb_step   k16 with 26 row-wise sharded tables, sparse_sync="step" (all-to-alls every step)
-#   emb_k16    the same with sparse_sync="k_step" (replicas, deltas to owners every 16 steps)
-# and prints steps/s, bytes sent across the link per step, k16 / k1 and emb_k16 / emb_step.
-# Needs root (ip netns). The namespaces and addresses (10.77.0.1/2) are created here and
-# removed on exit.
-#   sudo RATE=100mbit STEPS=68 BATCH=256 benchmarks/bench_kstep.sh
-#   sudo CONFIGS="k1 k16" benchmarks/bench_kstep.sh     # a subset
+# and, with 26 row-wise sharded tables (dim 16, Zipf ids) under the same over-arch:
+#   emb_sync     dense k=1, sparse_sync="step": fully synchronous training
+#   emb_step     dense k=16, sparse_sync="step" (all-to-alls of ids and pooled rows every step)
+#   emb_sparse16 dense k=1, sparse_sync="k_step" (replicas, deltas to owners every 16 steps)
+#   emb_k16      dense k=16, sparse_sync="k_step": k-step for both parts
+# It prints steps/s, bytes sent across the link per step and the ratios, for each rate of
+# RATES (tbf), and last the line `k16 dense+sparse / synchronous: X.XXx steps/s, Y.Yx fewer
+# bytes` (at the first rate). Needs root (ip netns). The namespaces and addresses
+# (10.77.0.1/2) are created here and removed on exit.
+#   sudo RATES="100mbit 1gbit" STEPS=68 BATCH=256 benchmarks/bench_kstep.sh
+#   sudo RATES=100mbit CONFIGS="k1 k16" benchmarks/bench_kstep.sh     # a subset
 set -euo pipefail
-RATE=${RATE:-100mbit}
+RATES=${RATES:-${RATE:-100mbit 1gbit}}
 STEPS=${STEPS:-68}  # 4 untimed, then 64: exactly one merge per 16 timed steps
 BATCH=${BATCH:-256}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,35 +40,35 @@ for i in 0 1; do
   ip -n "$ns" addr add 10.77.0.$((i + 1))/24 dev ctrk_veth$i
   ip -n "$ns" link set lo up
   ip -n "$ns" link set ctrk_veth$i up
-  ip netns exec "$ns" tc qdisc add dev ctrk_veth$i root tbf rate "$RATE" burst 64kb latency 50ms
 done
 
-printf "%s link between two namespaces, 2 nodes x 1 rank, gloo, %s steps of batch %s\n" "$RATE" "$STEPS" "$BATCH"
-printf "%-12s %12s %22s\n" configuration steps/s "bytes/step on link"
-PAIRS=()
-for config in ${CONFIGS:-k1 k16 k16_fp32 k16_overlap ddp_avg16 emb_step emb_k16}; do
-  port=$((29600 + RANDOM % 1000))
-  for rank in 1 0; do
-    env MASTER_ADDR=10.77.0.1 MASTER_PORT=$port WORLD_SIZE=2 NODE_RANK=$rank LOCAL_RANK=0 \
-        GLOO_SOCKET_IFNAME=ctrk_veth$rank PYTHONWARNINGS=ignore \
-        timeout 900 ip netns exec ctrk_node$rank "$PY" "$ROOT/benchmarks/bench_kstep.py" --config "$config" \
-        --steps "$STEPS" --batch "$BATCH" > "/tmp/ctrk_$config.$rank.log" 2>&1 &
+FINAL=""
+for RATE in $RATES; do
+  for i in 0 1; do
+    ip netns exec ctrk_node$i tc qdisc replace dev ctrk_veth$i root tbf rate "$RATE" burst 64kb latency 50ms
   done
-  wait
-  line=$(grep '^RESULT ' "/tmp/ctrk_$config.0.log" | sed 's/^RESULT //') || {
-    echo "$config failed:"; tail -20 "/tmp/ctrk_$config.0.log" "/tmp/ctrk_$config.1.log"; exit 1; }
-  rate=$("$PY" -c "import json,sys; print(json.loads(sys.argv[1])['steps_per_s'])" "$line")
-  sent=$("$PY" -c "import json,sys; print(int(json.loads(sys.argv[1])['bytes_per_step']))" "$line")
-  PAIRS+=("$config=$rate")
-  printf "%-12s %12.3f %22d\n" "$config" "$rate" "$sent"
+  printf "\n%s link between two namespaces, 2 nodes x 1 rank, gloo, %s steps of batch %s\n" "$RATE" "$STEPS" "$BATCH"
+  printf "%-13s %12s %22s %18s\n" configuration steps/s "bytes/step on link" "of which tables"
+  PAIRS=()
+  for config in ${CONFIGS:-k1 k16 k16_fp32 k16_overlap ddp_avg16 emb_sync emb_step emb_sparse16 emb_k16}; do
+    port=$((29600 + RANDOM % 1000))
+    for rank in 1 0; do
+      env MASTER_ADDR=10.77.0.1 MASTER_PORT=$port WORLD_SIZE=2 NODE_RANK=$rank LOCAL_RANK=0 \
+          GLOO_SOCKET_IFNAME=ctrk_veth$rank PYTHONWARNINGS=ignore \
+          timeout 900 ip netns exec ctrk_node$rank "$PY" "$ROOT/benchmarks/bench_kstep.py" --config "$config" \
+          --steps "$STEPS" --batch "$BATCH" > "/tmp/ctrk_$config.$rank.log" 2>&1 &
+    done
+    wait
+    line=$(grep '^RESULT ' "/tmp/ctrk_$config.0.log" | sed 's/^RESULT //') || {
+      echo "$config failed:"; tail -20 "/tmp/ctrk_$config.0.log" "/tmp/ctrk_$config.1.log"; exit 1; }
+    rate=$("$PY" -c "import json,sys; print(json.loads(sys.argv[1])['steps_per_s'])" "$line")
+    sent=$("$PY" -c "import json,sys; print(int(json.loads(sys.argv[1])['bytes_per_step']))" "$line")
+    tables=$("$PY" -c "import json,sys; print(int(json.loads(sys.argv[1])['table_bytes_per_step']))" "$line")
+    PAIRS+=("$config=$rate=$sent")
+    printf "%-13s %12.3f %22d %18d\n" "$config" "$rate" "$sent" "$tables"
+  done
+  # Ratios go to the terminal; the k16-both-parts line of the first rate is kept for the end.
+  line=$("$PY" "$ROOT/benchmarks/kstep_ratios.py" "$RATE" "${PAIRS[@]}")
+  [ -z "$FINAL" ] && FINAL=$line
 done
-"$PY" - "${PAIRS[@]}" <<'EOF'
-import sys
-rates = dict((name, float(rate)) for name, rate in (arg.split("=") for arg in sys.argv[1:]))
-for a, b, label in [("k16", "k1", "k16 / k1 (target >= 4)"), ("k16_fp32", "k1", "k16 float32 moments / k1"),
-                    ("k16_overlap", "k1", "k16 overlapped / k1"), ("k16", "k16_fp32", "k16 bfloat16 / float32 moments"),
-                    ("k16", "ddp_avg16", "k16 / DDPStrategy(model_averaging_period=16)"),
-                    ("emb_k16", "emb_step", "tables: sparse_sync k_step / step")]:
-    if a in rates and b in rates:
-        print(f"{label:<46} {rates[a] / rates[b]:.2f}x")
-EOF
+[ -n "$FINAL" ] && echo "$FINAL"

@@ -8,10 +8,13 @@ the standard error the validation set itself leaves on that difference ("val": D
 test on the same validation rows, for the seed-averaged difference); "16o" is k=16 with
 overlap=True (each merge applied k steps late), "16f" k=16 with Adam's moments averaged
 in float32 rather than the default bfloat16, "64w" (on request) k=64 after 64 synchronous
-warm-up steps.
+warm-up steps, "16s" (on request) k=16 for the tables too (``sparse_sync="k_step"``: replicas
+merged into their owners every 16 steps) where every other configuration syncs the tables
+every step; "16sf" as "16s" with the tables' optimizer state sent in float32.
 
     python benchmarks/kstep_convergence.py [--train-rows 200000 --epochs 1]
     python benchmarks/kstep_convergence.py --data sample --configs 1,64,64w
+    python benchmarks/kstep_convergence.py --configs 1,16,16s --sample-epochs 1   # k-step tables
     python benchmarks/kstep_convergence.py --data sample --real-train day_0.tsv --real-val day_1.tsv \
         --sample-batch 512 --sample-epochs 1 --sample-seeds 3
 """
@@ -43,11 +46,12 @@ from ctr_lightning.strategies import KStepAdamStrategy
 
 k, train, val, epochs, batch, seed = (int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]),
                                       int(sys.argv[6]))
-options, out_dir = json.loads(sys.argv[7]), sys.argv[8]
+options, out_dir, model_options = json.loads(sys.argv[7]), sys.argv[8], json.loads(sys.argv[9])
 pl.seed_everything(seed)
 dm = CriteoDataModule(train_paths=[train], val_paths=[val], batch_size=batch)
 model = DLRMModule(embedding_dim=16, num_embeddings=100_000, dense_arch_layer_sizes=[64],
-                   over_arch_layer_sizes=[128, 64, 1], learning_rate=1e-3, sparse_learning_rate=0.01, seed=seed)
+                   over_arch_layer_sizes=[128, 64, 1], learning_rate=1e-3, sparse_learning_rate=0.01, seed=seed,
+                   **model_options)
 aucs = []
 
 class EpochAuc(pl.Callback):
@@ -78,7 +82,8 @@ if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-tim
 """
 
 
-def fit(k: int, train: Path, val: Path, epochs: int, batch: int, seed: int = 0, options: dict | None = None) -> dict:
+def fit(k: int, train: Path, val: Path, epochs: int, batch: int, seed: int = 0, options: dict | None = None,
+        model_options: dict | None = None) -> dict:
     """One 2-rank run: its AUC per epoch, steps, and per epoch the validation rows'
     ``(scores, labels)`` in rank order (the same rows in every run)."""
     with socket.socket() as s:
@@ -88,7 +93,8 @@ def fit(k: int, train: Path, val: Path, epochs: int, batch: int, seed: int = 0, 
                PYTHONWARNINGS="ignore")
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(k), str(train), str(val), str(epochs),
-                                   str(batch), str(seed), json.dumps(options or {}), out_dir],
+                                   str(batch), str(seed), json.dumps(options or {}), out_dir,
+                                   json.dumps(model_options or {})],
                                   env=dict(env, NODE_RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True) for r in range(2)]
         outs = [p.communicate(timeout=3600) for p in procs]
@@ -104,9 +110,13 @@ def fit(k: int, train: Path, val: Path, epochs: int, batch: int, seed: int = 0, 
     return result
 
 
-# label: (k, further KStepAdamStrategy arguments); "1" is the reference every other is paired with.
-CONFIGS = {"1": (1, {}), "4": (4, {}), "16": (16, {}), "64": (64, {}), "16o": (16, {"overlap": True}),
-           "16f": (16, {"moment_dtype": "float32"}), "64w": (64, {"warmup_steps": 64})}
+# label: (k, further KStepAdamStrategy arguments, further DLRMModule arguments); "1" (fully
+# synchronous: dense k=1, tables sharded row-wise with per-step sync) is the reference every
+# other is paired with. Only "16s" syncs the tables every k steps too (sparse_sync="k_step").
+CONFIGS = {"1": (1, {}, {}), "4": (4, {}, {}), "16": (16, {}, {}), "64": (64, {}, {}),
+           "16o": (16, {"overlap": True}, {}), "16f": (16, {"moment_dtype": "float32"}, {}),
+           "64w": (64, {"warmup_steps": 64}, {}), "16s": (16, {}, {"sparse_sync": "k_step"}),
+           "16sf": (16, {}, {"sparse_sync": "k_step", "sync_state_dtype": "float32"})}
 DEFAULT_CONFIGS = "1,4,16,64,16o,16f"
 
 
@@ -151,8 +161,8 @@ def table(name: str, train: Path, val: Path, epochs: int, batch: int, seeds: int
     predictions: dict[str, list[list[Predictions]]] = {c: [] for c in configs}  # [seed][epoch]
     steps = 0
     for seed in range(seeds):
-        for label, (k, options) in configs.items():
-            r = fit(k, train, val, epochs, batch, seed, options)
+        for label, (k, options, model_options) in configs.items():
+            r = fit(k, train, val, epochs, batch, seed, options, model_options)
             aucs[label].append(r["aucs"])
             predictions[label].append(r["predictions"])
             steps = r["steps"] // epochs

@@ -44,6 +44,8 @@ class DLRMModule(pl.LightningModule):
         sparse_sync, sync_every: ``"step"`` (pooled rows travel every step) or ``"k_step"``
             (local replicas, deltas averaged by the owners every ``sync_every`` steps; default: the
             k of a ``KStepAdamStrategy``, else 16).
+        sync_state_dtype: the dtype Adam's moments of rows travel in under ``"k_step"``
+            (``"bfloat16"``, or ``"float32"`` for an exact average).
 
     Example::
 
@@ -67,6 +69,7 @@ class DLRMModule(pl.LightningModule):
         sharding: str = "row_wise",
         sparse_sync: str = "step",
         sync_every: int | None = None,
+        sync_state_dtype: str = "bfloat16",
     ) -> None:
         super().__init__()
         if not sparse_feature_names:
@@ -83,7 +86,7 @@ class DLRMModule(pl.LightningModule):
         ]
         self.embeddings = TieredEmbeddingBagCollection(
             tables, storage=storage, optimizer=SparseAdam(lr=sparse_learning_rate), seed=seed, sharding=sharding,
-            sparse_sync=sparse_sync, sync_every=sync_every)
+            sparse_sync=sparse_sync, sync_every=sync_every, sync_state_dtype=sync_state_dtype)
         self.dlrm = DLRM(
             embedding_bag_collection=self.embeddings,
             dense_in_features=num_dense_features,

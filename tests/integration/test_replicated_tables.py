@@ -16,12 +16,15 @@ TABLES = [
     EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=400, feature_names=["f0"]),
     EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=300, feature_names=["f1"], pooling=PoolingType.MEAN),
 ]
-def batch(seed):
+def batch(seed, quiet=False):
     rng = np.random.default_rng(seed)
     lengths = np.stack([np.ones(32, dtype=np.int64), rng.integers(0, 4, 32)])
+    if quiet:  # no id of t1 in this batch
+        lengths[1] = 0
     ids = np.concatenate([rng.zipf(1.3, size=int(l.sum())) % 300 for l in lengths])
     return KeyedJaggedTensor(keys=["f0", "f1"], values=torch.from_numpy(ids), lengths=torch.from_numpy(lengths.reshape(-1)))
 WEIGHTS = torch.randn(12, generator=torch.Generator().manual_seed(0))
+QUIET = (2, 3)  # with different batches, rank 1 touches no row of t1 in these steps
 def step(ebc, kjt):
     (ebc(kjt).values() @ WEIGHTS).mean().backward()
 """
@@ -33,16 +36,19 @@ import torch.distributed as dist
 from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
 rank, port, out_dir, same, k, steps = (int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "same",
                                        int(sys.argv[5]), int(sys.argv[6]))
+state_dtype = sys.argv[7] if len(sys.argv) > 7 else "float32"  # exact, unless a test asks otherwise
+label = sys.argv[4] + ("" if state_dtype == "float32" else "_" + state_dtype)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 ebc = TieredEmbeddingBagCollection(
     TABLES, optimizer=SparseAdam(lr=0.05), sparse_sync="k_step", sync_every=k, sharding={"t0": "row_wise", "t1": "table_wise"},
-    storage=StorageConfig(device_rows=40, host_rows=0, ssd_dir=os.path.join(out_dir, f"ssd_{sys.argv[4]}")))
+    storage=StorageConfig(device_rows=40, host_rows=0, ssd_dir=os.path.join(out_dir, f"ssd_{label}")),
+    sync_state_dtype=state_dtype)
 for s in range(steps):
-    step(ebc, batch(s if same else 100 * rank + s))
+    step(ebc, batch(s) if same else batch(100 * rank + s, quiet=rank == 1 and s in QUIET))
 state = ebc.get_extra_state()  # collective: merges what is pending, gathers the shards
 if rank == 0:
     torch.save({"state": state, "bytes": ebc.comm_bytes(), "stats": ebc.tier_stats()},
-               os.path.join(out_dir, f"{sys.argv[4]}.pt"))
+               os.path.join(out_dir, f"{label}.pt"))
 print("RESULT {}", flush=True)
 import torch.distributed as _dist
 if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
@@ -73,7 +79,9 @@ def test_same_batches_on_both_ranks_equal_one_process(tmp_path, run_ranks):
 
 @pytest.mark.slow
 def test_owners_average_the_deltas_of_the_ranks_that_touched_a_row(tmp_path, run_ranks):
-    k, steps = 2, 6
+    # Intervals of 2 steps; in the second, rank 1 touches no row of t1 (and still takes part
+    # in its sync). The 7th step is merged by the checkpoint taken after it, between syncs.
+    k, steps = 2, 7
     run_ranks(RANK_SCRIPT, ["{port}", str(tmp_path), "different", str(k), str(steps)], world=2, ddp_env=False)
     got = torch.load(tmp_path / "different.pt", weights_only=False)["state"]["tables"]
     # Reference: each interval, two single processes start from the merged state and train
@@ -82,14 +90,15 @@ def test_owners_average_the_deltas_of_the_ranks_that_touched_a_row(tmp_path, run
     width = {"t0": 24, "t1": 12}
     state = {t.name: {"ids": torch.empty(0, dtype=torch.int64), "rows": torch.empty(0, width[t.name]), "steps": 0}
              for t in TABLES}
-    for interval in range(steps // k):
+    for first in range(0, steps, k):
+        last = min(first + k, steps)
         results, touched = [], []
         for rank in range(2):
             ebc = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
             ebc.set_extra_state({"tables": state})
             seen = {"t0": set(), "t1": set()}
-            for s in range(interval * k, (interval + 1) * k):
-                kjt = batch(100 * rank + s)
+            for s in range(first, last):
+                kjt = batch(100 * rank + s, quiet=rank == 1 and s in QUIET)
                 for f, t in (("f0", "t0"), ("f1", "t1")):
                     seen[t] |= set(kjt[f].values().tolist())
                 step(ebc, kjt)
@@ -114,7 +123,7 @@ def test_owners_average_the_deltas_of_the_ranks_that_touched_a_row(tmp_path, run
                         total[n] += results[rank][name]["rows"][where[i]] - base[n]
                         count[n] += 1
             new_state[name] = {"ids": ids_t, "rows": base + total / count.clamp(min=1),
-                               "steps": (interval + 1) * k}
+                               "steps": last}
         state = new_state
     for t in TABLES:
         (wi, wr), (gi, gr) = by_id(state[t.name]), by_id(got[t.name])
@@ -127,3 +136,19 @@ def test_bad_sparse_sync_arguments():
         TieredEmbeddingBagCollection(TABLES, sparse_sync="async")
     with pytest.raises(ValueError, match="sync_every must be >= 1"):
         TieredEmbeddingBagCollection(TABLES, sparse_sync="k_step", sync_every=0)
+
+
+@pytest.mark.slow
+def test_optimizer_state_in_bfloat16_on_the_wire_stays_near_the_exact_rule_for_fewer_bytes(tmp_path, run_ranks):
+    for dtype in ("float32", "bfloat16"):
+        run_ranks(RANK_SCRIPT, ["{port}", str(tmp_path), "different", "2", "7", dtype], world=2, ddp_env=False)
+    exact = torch.load(tmp_path / "different.pt", weights_only=False)
+    rounded = torch.load(tmp_path / "different_bfloat16.pt", weights_only=False)
+    for name, dim in (("t0", 8), ("t1", 4)):
+        (ei, er), (ri, rr) = by_id(exact["state"]["tables"][name]), by_id(rounded["state"]["tables"][name])
+        assert torch.equal(ei, ri)
+        torch.testing.assert_close(rr[:, :dim], er[:, :dim], atol=2e-3, rtol=0)  # weights
+        torch.testing.assert_close(rr[:, dim:], er[:, dim:], atol=1e-4, rtol=2e-2)  # Adam's moments, bf16-rounded
+        assert not torch.equal(rr, er)
+    # Adam rows are dim + 2 dim floats; on the wire dim + dim: pulls and pushes take 2/3 of the bytes, keys aside.
+    assert rounded["bytes"] < 0.8 * exact["bytes"], (rounded["bytes"], exact["bytes"])

@@ -67,12 +67,17 @@ class UnevenAllToAll:
         self.rank = dist.get_rank(process_group)
         self.bytes_sent = 0
 
-    def __call__(self, tensor: torch.Tensor, counts: Sequence[int]) -> list[torch.Tensor]:
+    def __call__(self, tensor: torch.Tensor, counts: Sequence[int],
+                 expected: Sequence[int] | None = None) -> list[torch.Tensor]:
         """Send ``counts[r]`` rows of ``tensor`` (elements of a 1-D one) to rank r, in order;
-        returns what each rank sent here."""
+        returns what each rank sent here. With ``expected`` (the rows each rank sends here,
+        when the receiver knows), the sizes are not exchanged first: one round trip less."""
         send = torch.tensor(list(counts), dtype=torch.int64)
-        recv = torch.empty(self.world, dtype=torch.int64)
-        dist.all_to_all_single(recv, send, group=self.process_group)
+        if expected is not None:
+            recv = torch.tensor(list(expected), dtype=torch.int64)
+        else:
+            recv = torch.empty(self.world, dtype=torch.int64)
+            dist.all_to_all_single(recv, send, group=self.process_group)
         out = torch.empty((int(recv.sum()), *tensor.shape[1:]), dtype=tensor.dtype)
         dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=recv.tolist(),
                                input_split_sizes=send.tolist(), group=self.process_group)

@@ -33,7 +33,8 @@ class ReplicatedTables(TableEngine):
     """Owner shards plus a per-rank replica of the rows this rank's batches touch.
 
     Each step, rows the replica lacks are pulled from their owners (ids out, rows with
-    optimizer state back: one all-to-all of each). Forward and backward then run on the
+    optimizer state back: one all-to-all of each; the optimizer state travels in
+    ``state_dtype``, weights in float32). Forward and backward then run on the
     replica alone, with the fused optimizer; no pooled embeddings or gradients travel.
     When ``schedule`` says (every ``k`` training steps, after any synchronous warm-up
     steps) each rank pushes the deltas of the rows it changed to their owners, each owner
@@ -49,7 +50,8 @@ class ReplicatedTables(TableEngine):
     """
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], setup: TableSetup, plan: Mapping[str, TableSharding],
-                 process_group: dist.ProcessGroup, schedule: MergeSchedule) -> None:
+                 process_group: dist.ProcessGroup, schedule: MergeSchedule,
+                 state_dtype: torch.dtype = torch.bfloat16) -> None:
         self.tables = list(tables)
         self.plan = dict(plan)
         self.process_group = process_group
@@ -67,12 +69,17 @@ class ReplicatedTables(TableEngine):
         self.table_owner = np.array([plan[t.name].owner for t in tables], dtype=np.int64)
         n = len(tables)
         self.width = np.zeros(n, dtype=np.int64)
+        self.dim = np.array([t.embedding_dim for t in tables], dtype=np.int64)
+        self.state_dtype = state_dtype
         self.replica_group_of = np.zeros(n, dtype=np.int64)
         self.replica_local_of = np.zeros(n, dtype=np.int64)
         for g, (group_, globals_) in enumerate(zip(self.replica.groups, self.replica_globals)):
             self.width[globals_] = group_.width
             self.replica_group_of[globals_] = g
             self.replica_local_of[globals_] = np.arange(len(globals_))
+        # Float32 words a row takes on the wire (optimizer state packed two to a word in bfloat16).
+        self.wire_width = np.array([_wire_width(int(w), int(d), state_dtype) for w, d in zip(self.width, self.dim)],
+                                   dtype=np.int64)
         self.shard_group_of = np.full(n, -1, dtype=np.int64)
         self.shard_local_of = np.full(n, -1, dtype=np.int64)
         for name, (g, local) in self.shard.table_of_name.items():
@@ -121,16 +128,26 @@ class ReplicatedTables(TableEngine):
         counts = np.bincount(dest, minlength=self.world)
         asked = self._exchange(torch.from_numpy(np.stack([tables, ids], axis=1)), counts.tolist())
         answers = [self._owned_rows(a[:, 0].numpy(), a[:, 1].numpy()) for a in asked]
-        received = self._exchange(torch.cat(answers), [a.numel() for a in answers])
+        # Each owner's answer is as long as what was asked of it: no sizes to exchange.
+        expected = np.bincount(dest, weights=self.wire_width[tables], minlength=self.world).astype(np.int64)
+        received = self._exchange(torch.cat(answers), [a.numel() for a in answers], expected.tolist())
         self._insert(tables, ids, counts, received)
 
     def _owned_rows(self, tables: np.ndarray, ids: np.ndarray) -> torch.Tensor:
-        """Full rows (weights and optimizer state) this owner holds, flattened in order."""
+        """Full rows (weights and optimizer state) this owner holds, packed for the wire, in order."""
         out = []
         for start, end in _runs(self.shard_group_of[tables]):
             group = self.shard.groups[int(self.shard_group_of[tables[start]])]
-            out.append(group.full_rows(self.shard_local_of[tables[start:end]], ids[start:end]).reshape(-1))
+            rows = group.full_rows(self.shard_local_of[tables[start:end]], ids[start:end])
+            out.append(self._pack(rows, int(self.dim[tables[start]])).reshape(-1))
         return torch.cat(out) if out else torch.empty(0)
+
+    def _pack(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
+        return _pack(rows, dim, self.state_dtype)
+
+    def _unpack(self, flat: torch.Tensor, n: int, table: int) -> torch.Tensor:
+        return _unpack(flat.view(n, int(self.wire_width[table])), int(self.dim[table]), int(self.width[table]),
+                       self.state_dtype)
 
     def _insert(self, tables: np.ndarray, ids: np.ndarray, counts: np.ndarray, received: list[torch.Tensor]) -> None:
         starts = np.concatenate([[0], np.cumsum(counts)])
@@ -140,8 +157,9 @@ class ReplicatedTables(TableEngine):
             for start, end in _runs(self.replica_group_of[t_r]):
                 g = int(self.replica_group_of[t_r[start]])
                 group = self.replica.groups[g]
-                rows = flat[offset : offset + (end - start) * group.width].view(end - start, group.width)
-                offset += rows.numel()
+                size = (end - start) * int(self.wire_width[t_r[start]])
+                rows = self._unpack(flat[offset : offset + size], end - start, int(t_r[start]))
+                offset += size
                 local = self.replica_local_of[t_r[start:end]]
                 group.hold(local, i_r[start:end], rows)
                 self._bases[g].append((local, i_r[start:end], rows.clone()))
@@ -166,15 +184,17 @@ class ReplicatedTables(TableEngine):
             delta = changed.values.cpu() - base_rows[position]
             tables = self.replica_globals[g][changed.tables]
             dest = self._owner(tables, changed.ids)
+            packed = self._pack(delta, int(self.dim[tables[0]]))
             for r in range(self.world):  # each destination gets one block per replica group
                 mine = dest == r
                 if mine.any():
                     keys[r].append(np.stack([tables[mine], changed.ids[mine]], axis=1))
-                    flats[r].append(delta[torch.from_numpy(mine)].reshape(-1))
+                    flats[r].append(packed[torch.from_numpy(mine)].reshape(-1))
         sent_keys = [np.concatenate(k) if k else np.empty((0, 2), dtype=np.int64) for k in keys]
         sent_flat = [torch.cat(f) if f else torch.empty(0) for f in flats]
         got_keys = self._exchange(torch.from_numpy(np.concatenate(sent_keys)), [len(k) for k in sent_keys])
-        got_flat = self._exchange(torch.cat(sent_flat), [f.numel() for f in sent_flat])
+        expected = [int(self.wire_width[k[:, 0].numpy()].sum()) for k in got_keys]
+        got_flat = self._exchange(torch.cat(sent_flat), [f.numel() for f in sent_flat], expected)
         self._apply_deltas(got_keys, got_flat)
         for g, group in enumerate(self.replica.groups):
             group.forget()
@@ -188,9 +208,9 @@ class ReplicatedTables(TableEngine):
             keys = keys.numpy()
             offset = 0
             for start, end in _runs(self.replica_group_of[keys[:, 0]]):
-                width = int(self.width[keys[start, 0]])
-                rows = flat[offset : offset + (end - start) * width].view(end - start, width)
-                offset += rows.numel()
+                size = (end - start) * int(self.wire_width[keys[start, 0]])
+                rows = self._unpack(flat[offset : offset + size], end - start, int(keys[start, 0]))
+                offset += size
                 g = int(self.replica_group_of[keys[start, 0]])
                 per_group.setdefault(g, []).append((keys[start:end, 0], keys[start:end, 1], rows))
         for parts in per_group.values():
@@ -279,6 +299,29 @@ class ReplicatedTables(TableEngine):
 
     def stop_prefetch(self) -> None:
         pass
+
+
+def _wire_width(width: int, dim: int, state_dtype: torch.dtype) -> int:
+    """Float32 words of one row on the wire: weights, then the state (bfloat16: two a word)."""
+    return width if state_dtype == torch.float32 else dim + (width - dim + 1) // 2
+
+
+def _pack(rows: torch.Tensor, dim: int, state_dtype: torch.dtype) -> torch.Tensor:
+    """``[n, width]`` rows as ``[n, wire width]`` float32 words: weights as they are, the
+    optimizer state rounded to ``state_dtype``."""
+    if state_dtype == torch.float32:
+        return rows
+    state = rows[:, dim:].to(state_dtype)
+    if state.shape[1] % 2:
+        state = torch.nn.functional.pad(state, (0, 1))
+    return torch.cat([rows[:, :dim], state.contiguous().view(torch.float32)], dim=1)
+
+
+def _unpack(words: torch.Tensor, dim: int, width: int, state_dtype: torch.dtype) -> torch.Tensor:
+    if state_dtype == torch.float32:
+        return words
+    state = words[:, dim:].contiguous().view(state_dtype)[:, : width - dim].float()
+    return torch.cat([words[:, :dim], state], dim=1)
 
 
 def _runs(values: np.ndarray) -> list[tuple[int, int]]:
