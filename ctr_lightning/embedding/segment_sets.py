@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ctr_lightning.embedding.row_files import RowFileError, file_sha256
-from ctr_lightning.embedding.ssd_log import _HEADER, KEY, SealedSegment
+from ctr_lightning.embedding.ssd_log import _HEADER, KEY, LINK_REFUSED, SealedSegment
 from ctr_lightning.fault_points import reached
 
 FORMAT = "ctr-lightning-segments-1"
@@ -38,14 +38,20 @@ FORMAT = "ctr-lightning-segments-1"
 @dataclass(frozen=True)
 class SharedSegment:
     """One segment of a set: its file and keys file (names in the snapshot directory),
-    record count, CRC-32 of the file, SHA-256 of the keys file, and which records belong."""
+    record count, CRC-32 of the file, SHA-256 of the keys file, and which records belong
+    (a bitmap, unpacked on demand: one segment's worth at a time)."""
 
     file: str
     keys: str
     records: int
     crc32: int
     keys_sha256: str
-    take: np.ndarray  # bool [records]
+    bitmap: bytes
+
+    @property
+    def take(self) -> np.ndarray:
+        """bool [records]: the records that belong to the snapshot."""
+        return np.unpackbits(np.frombuffer(self.bitmap, dtype=np.uint8), count=self.records).astype(bool)
 
 
 @dataclass(frozen=True)
@@ -82,17 +88,29 @@ class SegmentSetWriter:
         self._bitmaps: list[bytes] = []
         self.rows_per_table = [0] * len(self.table_names)
         self.size, self.sha256, self.shared_bytes = 0, "", 0
+        self.refused = False
 
-    def add(self, sealed: SealedSegment, take: np.ndarray) -> None:
-        """Share ``sealed`` with the records at ``take``; a segment with none is left out."""
+    def add(self, sealed: SealedSegment, take: np.ndarray) -> bool:
+        """Share ``sealed`` with the records at ``take`` (a segment with none is left out).
+        False where the file system refuses the link (two mounts of one file system, say):
+        the caller writes those rows instead, and no segment is shared from then on."""
         if not take.any():
-            return
+            return True
+        if self.refused:
+            return False
         stem = f"{self.path.stem}.{len(self.segments):06d}"
         names = (f"{stem}.seg", f"{stem}.keys")
+        linked = []
         for source, name in zip((sealed.path, sealed.keys_path), names):
             try:
                 os.link(source, self.path.parent / name)
+                linked.append(self.path.parent / name)
             except OSError as e:
+                for target in linked:
+                    target.unlink(missing_ok=True)
+                if e.errno in LINK_REFUSED:
+                    self.refused = True
+                    return False
                 raise OSError(e.errno, f"linking {source} into the table snapshot as {self.path.parent / name}: "
                                        f"{e.strerror} (tables {self.table_names})") from e
         reached("snapshot_rows")
@@ -102,6 +120,7 @@ class SegmentSetWriter:
         for t, n in zip(*np.unique(sealed.keys["table"][take], return_counts=True)):
             self.rows_per_table[int(t)] += int(n)
         self.shared_bytes += sealed.records * (self.record_bytes + KEY.itemsize)
+        return True
 
     def close(self) -> None:
         header = json.dumps({"format": FORMAT, "tables": self.table_names, "width": self.width,
@@ -146,9 +165,8 @@ def read_segment_set(path: str | os.PathLike) -> SegmentSet:
                 bitmap = f.read((int(s["records"]) + 7) // 8)
                 if len(bitmap) * 8 < int(s["records"]):
                     raise ValueError("cut short")
-                take = np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), count=int(s["records"])).astype(bool)
                 segments.append(SharedSegment(s["file"], s["keys"], int(s["records"]), int(s["crc32"]),
-                                              s["keys_sha256"], take))
+                                              s["keys_sha256"], bitmap))
         except (ValueError, KeyError, TypeError) as e:
             raise RowFileError(f"{path}: not a segment set of {FORMAT}, or damaged ({e})") from e
     return SegmentSet(path, tables, width, record_bytes, segments)
@@ -166,8 +184,8 @@ def verify_segment_set(segment_set: SegmentSet) -> None:
             if path.stat().st_size != size:
                 raise RowFileError(f"table snapshot {where}: {name} (tables {tables}) has {path.stat().st_size} "
                                    f"bytes, its segment set says {size}")
-        bad = s.file if _crc32(where / s.file) != s.crc32 else s.keys if file_sha256(where / s.keys) != s.keys_sha256 \
-            else None
+        bad = (s.file if _crc32(where / s.file, tables) != s.crc32
+               else s.keys if file_sha256(where / s.keys) != s.keys_sha256 else None)
         if bad is not None:
             raise RowFileError(f"table snapshot {where}: {bad} (tables {tables}) does not match its checksum in "
                                f"{segment_set.path.name}")
@@ -217,12 +235,12 @@ def segment_set_rows(path: str | os.PathLike, width: int | None = None,
             yield segment_set.tables, tables, ids, rows
 
 
-def _crc32(path: Path, block: int = 8 << 20) -> int:
+def _crc32(path: Path, tables: list[str], block: int = 8 << 20) -> int:
     crc = 0
     try:
         with open(path, "rb") as f:
             while chunk := f.read(block):
                 crc = zlib.crc32(chunk, crc)
     except OSError as e:
-        raise OSError(e.errno or errno.EIO, f"reading {path}: {e.strerror}") from e
+        raise OSError(e.errno or errno.EIO, f"reading {path} (tables {tables}): {e.strerror}") from e
     return crc

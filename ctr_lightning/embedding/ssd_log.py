@@ -23,6 +23,9 @@ _HEADER = 4  # float32 words before a record's row: id (int64), table (int32), u
 # A record's key in the segment's keys file (slot order), so the live records of a sealed
 # segment are known without reading it: a snapshot shares the segment by hard link.
 KEY = np.dtype([("table", "<i4"), ("id", "<i8")])
+# What link(2) answers where hard links cannot be made (another file system, or another
+# mount of the same one): segments are then copied as rows instead of shared.
+LINK_REFUSED = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP)
 
 
 _READ_THREADS = 4  # reads in flight on one read of many records (4-8 measured best here)
@@ -57,7 +60,7 @@ class _Segment:
     live: int = 0  # records the index points at
     pins: int = 0  # readers holding its descriptor (a prefetch thread)
     retired: bool = False  # deleted from disk; its descriptor closes once unpinned
-    keys_fd: int = -1  # the keys file: each record's (table, id), in slot order
+    keys_fd: int = -1  # the keys file (each record's (table, id), in slot order): open while appended to
     crc: int = 0  # CRC-32 of the file as written so far (appends only): no re-read to share it
     synced: bool = False  # fsynced since sealed (a snapshot shares it)
 
@@ -71,6 +74,7 @@ class SealedSegment:
     """A segment no write will touch again: its files, record count, CRC-32, the keys of
     its records (slot order) and which of them are live (the index points at them)."""
 
+    number: int
     path: Path
     keys_path: Path
     records: int
@@ -204,22 +208,34 @@ class SsdLog:
         return number, generation, self.directory / f"{self.name}.{number:06d}.{generation}.seg"
 
     def _add_segment(self, number: int, generation: int, path: Path, create: bool, **fields) -> _Segment:
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC if create else os.O_RDONLY  # adopted: never written
+        """A new segment to append to (``create``), or a sealed one taken over (adopted:
+        read only, its keys file opened when needed: one descriptor a sealed segment)."""
+        files = (path, path.with_suffix(".keys")) if create else (path,)
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC if create else os.O_RDONLY
         fds = []
         try:
-            for file in (path, path.with_suffix(".keys")):
+            for file in files:
                 fds.append(os.open(file, flags, 0o644))
         except OSError as e:
             for fd in fds:
                 os.close(fd)
             raise self._fail("creating" if create else "opening", file, e.errno) from e
-        segment = _Segment(number, path, fds[0], generation, self._serials, keys_fd=fds[1], **fields)
+        segment = _Segment(number, path, fds[0], generation, self._serials, keys_fd=fds[1] if create else -1,
+                           **fields)
         self._serials += 1
         self.segments[number] = segment
         return segment
 
     def _new_segment(self) -> _Segment:
+        self._seal_active()
         return self._add_segment(*self._next_number(), create=True)
+
+    def _seal_active(self) -> None:
+        """No more appends to the segment being filled (full, or closed off early)."""
+        if self._active is not None and self._active.keys_fd >= 0:
+            os.close(self._active.keys_fd)
+            self._active.keys_fd = -1
+        self._active = None
 
     def _retiring(self) -> list[_Segment]:
         return [s for s in self.segments.values() if s.retired]
@@ -437,7 +453,8 @@ class SsdLog:
         for segment in self._retiring():
             if segment.pins == 0:
                 os.close(segment.fd)
-                os.close(segment.keys_fd)
+                if segment.keys_fd >= 0:
+                    os.close(segment.keys_fd)
                 del self.segments[segment.number]
                 self._free_numbers.append(segment.number)
 
@@ -496,19 +513,37 @@ class SsdLog:
         for _, number in segments:
             with self.lock:
                 segment = self.segments[number]
-                try:
-                    keys = np.frombuffer(os.pread(segment.keys_fd, segment.written * KEY.itemsize, 0), dtype=KEY)
-                    if len(keys) != segment.written:
-                        raise OSError(errno.EIO, "keys file cut short")
-                    if not segment.synced:
-                        os.fsync(segment.fd)
-                        os.fsync(segment.keys_fd)
-                        segment.synced = True
-                except OSError as e:
-                    raise self._fail("reading", segment.keys_path, e.errno) from e
+                keys = self._sealed_keys(segment)
                 locations = number * self.segment_records + np.arange(segment.written, dtype=np.int64)
                 live = self.index.is_current(keys["table"], keys["id"], locations)
-            yield SealedSegment(segment.path, segment.keys_path, segment.written, segment.crc, keys, live)
+            yield SealedSegment(number, segment.path, segment.keys_path, segment.written, segment.crc, keys, live)
+
+    def _sealed_keys(self, segment: _Segment) -> np.ndarray:
+        """The keys of a sealed segment's records, read from its keys file; both files are
+        made durable first (once)."""
+        action, path = "opening", segment.keys_path
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                action = "reading"
+                keys = np.frombuffer(os.pread(fd, segment.written * KEY.itemsize, 0), dtype=KEY)
+                if len(keys) != segment.written:
+                    raise OSError(errno.EIO, "cut short")
+                if not segment.synced:
+                    action = "syncing"
+                    os.fsync(fd)
+                    path = segment.path
+                    os.fsync(segment.fd)
+                    segment.synced = True
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise self._fail(action, path, e.errno) from e
+        return keys
+
+    def segment_entries(self, number: int, chunk_records: int = 1 << 16):
+        """As :meth:`entries`, for one segment."""
+        yield from self._segment_entries(number, 0, chunk_records)
 
     def can_adopt(self, record_bytes: int, records: int) -> bool:
         """Whether a sealed segment of these dimensions fits this log's record numbers."""
@@ -519,6 +554,9 @@ class SsdLog:
         by hard link, its records at ``take`` live (keys absent here). False, with nothing
         changed, where the files cannot be linked (another file system)."""
         with self.lock:
+            # Appends go to a new segment from here: the mark a load ends with then lies
+            # after every adopted segment, and the next incremental snapshot links none again.
+            self._seal_active()
             number, generation, dest = self._next_number()
             linked = []
             try:
@@ -528,11 +566,12 @@ class SsdLog:
             except OSError as e:
                 for target in linked:
                     target.unlink(missing_ok=True)
-                if e.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+                if e.errno in LINK_REFUSED:
                     self._generations[number] -= 1
                     self._free_numbers.append(number)
                     return False
-                raise self._fail("linking", dest, e.errno) from e
+                raise OSError(e.errno, f"SSD tier of tables {self.table_names}: linking {source} as {target} "
+                                       f"failed: {os.strerror(e.errno)}") from e
             slots = np.flatnonzero(take)
             self._add_segment(number, generation, dest, create=False, written=records, live=len(slots), crc=crc,
                               synced=True)
@@ -553,8 +592,10 @@ class SsdLog:
         for segment in list(self.segments.values()):
             if segment.fd >= 0:
                 os.close(segment.fd)
+                segment.fd = -1
+            if segment.keys_fd >= 0:
                 os.close(segment.keys_fd)
-                segment.fd = segment.keys_fd = -1
+                segment.keys_fd = -1
         self.segments.clear()
 
     def __del__(self) -> None:

@@ -36,7 +36,8 @@ from ctr_lightning.embedding.ssd_log import SsdLog
 from ctr_lightning.fault_points import reached
 
 MANIFEST = "manifest.json"
-FORMAT = "ctr-lightning-table-snapshot-1"
+FORMAT = "ctr-lightning-table-snapshot-2"  # 2: files may be segment sets (SnapshotFile.kind)
+READABLE = ("ctr-lightning-table-snapshot-1", FORMAT)
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,11 @@ class SnapshotManifest:
     parent: SnapshotRef | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        data = asdict(self)
+        for f in data["files"]:  # row files as format 1 wrote them: its manifests keep their hashes
+            if f["kind"] == "rows" and not f["shared_bytes"]:
+                del f["kind"], f["shared_bytes"]
+        return json.dumps(data, indent=1, sort_keys=True)
 
     def sha256(self) -> str:
         """Of the manifest as written: a checkpoint names the snapshot it means by it."""
@@ -95,8 +100,8 @@ class SnapshotManifest:
             raise FileNotFoundError(f"table snapshot {directory}: no {MANIFEST}, so it is incomplete (a save that "
                                     f"did not finish) or not a snapshot")
         data = json.loads(path.read_text())
-        if data.get("format") != FORMAT:
-            raise ValueError(f"{path}: format {data.get('format')!r}, expected {FORMAT!r}")
+        if data.get("format") not in READABLE:
+            raise ValueError(f"{path}: format {data.get('format')!r}, expected one of {READABLE}")
         return cls(format=data["format"], world_size=int(data["world_size"]), tables=data["tables"],
                    steps={k: int(v) for k, v in data["steps"].items()},
                    files=[SnapshotFile(**f) for f in data["files"]], sharding=data.get("sharding", {}),
@@ -129,6 +134,7 @@ def write_manifest(directory: str | os.PathLike, manifest: SnapshotManifest) -> 
     """Write the manifest durably and atomically: the snapshot is complete from here on."""
     reached("snapshot_manifest")
     directory = Path(directory)
+    _fsync_directory(directory)  # the files' and links' names, before the manifest that names them
     partial = directory / (MANIFEST + ".partial")
     try:
         with open(partial, "w") as f:
@@ -139,9 +145,13 @@ def write_manifest(directory: str | os.PathLike, manifest: SnapshotManifest) -> 
         partial.unlink(missing_ok=True)
         raise OSError(e.errno, f"writing {partial}: {e.strerror}; the snapshot is incomplete") from e
     os.replace(partial, directory / MANIFEST)
+    _fsync_directory(directory)  # the rename itself
+
+
+def _fsync_directory(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
-        os.fsync(fd)  # the rename itself
+        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -253,7 +263,8 @@ def verify(directory: str | os.PathLike, manifest: SnapshotManifest) -> None:
 def read_snapshot_file(directory: str | os.PathLike, f: SnapshotFile,
                        chunk_rows: int = 1 << 16) -> Iterator[tuple[list[str], np.ndarray, np.ndarray, torch.Tensor]]:
     """``(table_names, tables, ids, rows)`` of one file of a snapshot, a chunk at a time,
-    whatever its kind."""
+    whatever its kind (``chunk_rows`` for segment sets; row files come in the chunks they
+    were written in)."""
     if f.kind == "segments":
         return segment_set_rows(Path(directory) / f.name, f.width, chunk_rows)
     return read_row_file(Path(directory) / f.name, f.width)

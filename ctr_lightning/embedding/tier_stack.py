@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
@@ -414,16 +414,22 @@ class TierStack:
             if share is not None and isinstance(self.ssd, SsdLog):
                 for sealed in self.ssd.sealed(mark):
                     shadowed = shadow.lookup(sealed.keys["table"], sealed.keys["id"]) >= 0 if len(shadow) else False
-                    share.add(sealed, sealed.live & ~shadowed)
+                    if not share.add(sealed, sealed.live & ~shadowed):  # no link possible: its rows instead
+                        yield from self._unshadowed(self.ssd.segment_entries(sealed.number, chunk_rows), shadow)
                 records = self.ssd.active_entries(mark, chunk_records=chunk_rows)
             elif changed_only:
                 records = self.ssd.entries_since(self._saved_mark, chunk_records=chunk_rows)
             else:
                 records = self.ssd.entries(chunk_records=chunk_rows)
-            for tables, ids, data in records:
-                keep = shadow.lookup(tables, ids) < 0 if len(shadow) else np.ones(len(ids), dtype=bool)
-                if keep.any():
-                    yield tables[keep], ids[keep], torch.from_numpy(data[keep])
+            yield from self._unshadowed(records, shadow)
+
+    @staticmethod
+    def _unshadowed(records, shadow: KeyIndex) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
+        """SSD records of rows no copy in memory shadows."""
+        for tables, ids, data in records:
+            keep = shadow.lookup(tables, ids) < 0 if len(shadow) else np.ones(len(ids), dtype=bool)
+            if keep.any():
+                yield tables[keep], ids[keep], torch.from_numpy(data[keep])
 
     def mark_saved(self) -> None:
         """The stored rows are in a snapshot now (saved, or just loaded from one): the next
@@ -471,7 +477,8 @@ class TierStack:
         else:
             self.device_tier.insert(loaded)
 
-    def adopt_segments(self, segment_set: SegmentSet, keep: np.ndarray | None = None,
+    def adopt_segments(self, segment_set: SegmentSet,
+                       keep: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
                        older: bool = False) -> list[int]:
         """Take the segments of a snapshot's segment set into the SSD log by hard link (no
         row copied), their records that belong to the set and that ``keep`` (a function
@@ -481,18 +488,17 @@ class TierStack:
         if not isinstance(self.ssd, SsdLog) or segment_set.tables != self.names:
             return list(range(len(segment_set.segments)))
         self.drain()
-        left = []
+        left, refused = [], False
         for n, segment in enumerate(segment_set.segments):
-            if not self.ssd.can_adopt(segment_set.record_bytes, segment.records):
+            if refused or not self.ssd.can_adopt(segment_set.record_bytes, segment.records):
                 left.append(n)
                 continue
             keys = segment_keys(segment_set, segment)
-            take = segment.take.copy()
+            take = segment.take
             if keep is not None and take.any():
                 take[take] = keep(keys["table"][take].astype(np.int64), keys["id"][take])
             if older and take.any():
-                where = np.flatnonzero(take)
-                take[where[self.ssd.read(keys["table"][where].astype(np.int64), keys["id"][where])[0]]] = False
+                take[self._present(keys["table"][take].astype(np.int64), keys["id"][take], np.flatnonzero(take))] = False
             if not take.any():
                 continue
             self.check_ids(keys["table"][take].astype(np.int64), keys["id"][take])
@@ -500,7 +506,18 @@ class TierStack:
             if not self.ssd.adopt(folder / segment.file, folder / segment.keys, segment.records, segment.crc32, keys,
                                   take):
                 left.append(n)
+                refused = True  # no hard link from this snapshot to this SSD directory
         return left
+
+    def _present(self, tables: np.ndarray, ids: np.ndarray, where: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
+        """``where`` of the keys the SSD log holds already: an index entry first (none:
+        absent), then the record itself (a hash shared with another key), a chunk at a time."""
+        candidates = np.flatnonzero(self.ssd.index.lookup(tables, ids)[0] >= 0)
+        present = []
+        for start in range(0, len(candidates), chunk):
+            part = candidates[start : start + chunk]
+            present.append(part[self.ssd.read(tables[part], ids[part])[0]])
+        return where[np.concatenate(present)] if present else where[:0]
 
     def load(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
         """Replace every stored row by ``rows`` of (``tables``, ``ids``)."""

@@ -207,9 +207,50 @@ def test_sealed_ssd_segments_are_shared_by_hard_link_and_taken_back_on_load(tmp_
         got = full_state(other)
         for t in want:
             assert torch.equal(want[t][0], got[t][0]) and torch.equal(want[t][1], got[t][1]), (label, t)
+        if label == "same segments":
+            # Nothing changed since the load: an incremental save over it holds no row.
+            again = other.save_tables(tmp_path / "after_load", incremental=True)
+            assert sum(sum(f.rows.values()) for f in again.files) == 0, again.files
     # Same record layout: the segments were taken back by hard link, none was rewritten.
     assert _inodes(tmp_path / "snap", "*.seg") <= _inodes(tmp_path / "b", "*.seg")
     assert not _inodes(tmp_path / "snap", "*.seg") & _inodes(tmp_path / "c", "*.seg")
+
+
+LINK_REFUSED_SCRIPT = r"""
+import os, subprocess, sys
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+root = sys.argv[1]
+os.makedirs(f"{root}/elsewhere", exist_ok=True)
+os.makedirs(f"{root}/bound", exist_ok=True)
+# The same file system under a second mount: same st_dev, but link(2) across it is EXDEV.
+subprocess.run(["mount", "--bind", f"{root}/elsewhere", f"{root}/bound"], check=True)
+tables = [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=1000, feature_names=["f0"])]
+ebc = TieredEmbeddingBagCollection(tables, optimizer=SparseAdam(lr=0.05), storage=StorageConfig(
+    device_rows=100, host_rows=0, ssd_dir=f"{root}/ssd", ssd_segment_bytes=4 << 10))
+gen = torch.Generator().manual_seed(0)
+for step in range(40):
+    ids = torch.randint(0, 10 * (step + 1), (64,), generator=gen) * 7919 + 2**40
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0"], values=ids, lengths=torch.ones(64, dtype=torch.int32))
+    (ebc(kjt).values() ** 2).sum().backward()
+manifest = ebc.save_tables(f"{root}/bound/snap")
+print("KINDS", sorted({f.kind for f in manifest.files}))
+other = TieredEmbeddingBagCollection(tables, optimizer=SparseAdam(lr=0.05))
+other.load_tables(f"{root}/bound/snap")
+want, got = ebc._built().export()["t0"], other._built().export()["t0"]
+order_w, order_g = torch.argsort(want["ids"]), torch.argsort(got["ids"])
+print("EQUAL", torch.equal(want["ids"][order_w], got["ids"][order_g]) and torch.equal(want["rows"][order_w], got["rows"][order_g]))
+"""
+
+
+def test_a_file_system_that_refuses_hard_links_gets_the_rows_copied(tmp_path, in_mount_namespace):
+    result = in_mount_namespace(LINK_REFUSED_SCRIPT, [str(tmp_path)])
+    if "Permission denied" in result.stderr or "must be superuser" in result.stderr:
+        pytest.skip("cannot mount here")
+    lines = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.startswith(("KINDS", "EQUAL")))
+    assert lines == {"KINDS": "['rows']", "EQUAL": "True"}, result.stdout + result.stderr[-3000:]
 
 
 def test_a_damaged_or_missing_shared_segment_is_named(tmp_path):
