@@ -46,7 +46,7 @@ class OverArch(pl.LightningModule):
 class WithTables(OverArch):
     """The over-arch on 26 sharded embedding tables (dim 16), to compare sparse sync modes."""
 
-    def __init__(self, sparse_sync: str) -> None:
+    def __init__(self, sparse_sync: str, state_dtype: str = "bfloat16") -> None:
         super().__init__()
         from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
@@ -54,7 +54,8 @@ class WithTables(OverArch):
 
         self.ebc = TieredEmbeddingBagCollection(
             [EmbeddingBagConfig(name=f"t{i}", embedding_dim=16, num_embeddings=100_000, feature_names=[f"f{i}"])
-             for i in range(26)], optimizer=SparseAdam(lr=1e-3), sparse_sync=sparse_sync, sync_every=16)
+             for i in range(26)], optimizer=SparseAdam(lr=1e-3), sparse_sync=sparse_sync, sync_every=16,
+            sync_state_dtype=state_dtype)
         self.project = nn.Linear(26 * 16, SIZES[0])
 
     def training_step(self, batch, batch_idx):
@@ -81,9 +82,11 @@ class Clock(pl.Callback):
             self.steps += 1
 
 
-# With tables: (dense k, sparse_sync). Fully synchronous training is emb_sync.
-TABLE_CONFIGS = {"emb_sync": (1, "step"), "emb_step": (16, "step"), "emb_sparse16": (1, "k_step"),
-                 "emb_k16": (16, "k_step")}
+# With tables: (dense k, sparse_sync, the tables' sync_state_dtype). Fully synchronous
+# training is emb_sync; emb_k16_fp32 shows what bfloat16 state on the wire saves.
+TABLE_CONFIGS = {"emb_sync": (1, "step", "bfloat16"), "emb_step": (16, "step", "bfloat16"),
+                 "emb_sparse16": (1, "k_step", "bfloat16"), "emb_k16": (16, "k_step", "bfloat16"),
+                 "emb_k16_fp32": (16, "k_step", "float32")}
 
 
 def strategy(name: str):
@@ -128,7 +131,7 @@ def main() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=chosen, max_steps=args.steps,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[clock])
-    module = WithTables(TABLE_CONFIGS[args.config][1]) if args.config in TABLE_CONFIGS else OverArch()
+    module = WithTables(*TABLE_CONFIGS[args.config][1:]) if args.config in TABLE_CONFIGS else OverArch()
     trainer.fit(module, DataLoader(data, batch_size=args.batch))
     seconds = time.perf_counter() - clock.start
     params = sum(p.numel() for p in module.parameters())

@@ -13,6 +13,7 @@
 #   emb_step     dense k=16, sparse_sync="step" (all-to-alls of ids and pooled rows every step)
 #   emb_sparse16 dense k=1, sparse_sync="k_step" (replicas, deltas to owners every 16 steps)
 #   emb_k16      dense k=16, sparse_sync="k_step": k-step for both parts
+#   emb_k16_fp32 (on request) the same with the tables' optimizer state sent in float32
 # It prints steps/s, bytes sent across the link per step and the ratios, for each rate of
 # RATES (tbf), and last the line `k16 dense+sparse / synchronous: X.XXx steps/s, Y.Yx fewer
 # bytes` (at the first rate). Needs root (ip netns). The namespaces and addresses
