@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ctr_lightning.embedding.row_files import RowFileError, file_sha256
-from ctr_lightning.embedding.ssd_log import _HEADER, KEY, LINK_REFUSED, SealedSegment
+from ctr_lightning.embedding.ssd_log import _HEADER, KEY, LINK_REFUSED, SealedSegment, record_keys
 from ctr_lightning.fault_points import reached
 
 FORMAT = "ctr-lightning-segments-1"
@@ -63,10 +63,6 @@ class SegmentSet:
     width: int
     record_bytes: int
     segments: list[SharedSegment]
-
-    @property
-    def shared_bytes(self) -> int:
-        return sum(s.records * (self.record_bytes + KEY.itemsize) for s in self.segments)
 
 
 class SegmentSetWriter:
@@ -214,9 +210,7 @@ def segment_rows(segment_set: SegmentSet, segment: SharedSegment, chunk_records:
             if len(data) != (last - first) * segment_set.record_bytes:
                 raise RowFileError(f"{path}: cut short at record {first} (tables {segment_set.tables})")
             records = np.frombuffer(data, dtype=np.float32).reshape(last - first, words)[lo + wanted - first]
-            head = np.ascontiguousarray(records[:, :_HEADER])
-            ids = head[:, :2].copy().view(np.int64)[:, 0]
-            tables = head[:, 2].view(np.int32).astype(np.int64)
+            tables, ids = record_keys(records)
             mine = keys[lo + wanted]
             if not (np.array_equal(ids, mine["id"]) and np.array_equal(tables, mine["table"])):
                 raise RowFileError(f"{path}: records do not match {segment.keys} near record {first} "

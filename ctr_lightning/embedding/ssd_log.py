@@ -271,12 +271,6 @@ class SsdLog:
         self.bytes_read += out.nbytes
         return out
 
-    @staticmethod
-    def _headers(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(tables, ids)`` written in the records' headers."""
-        head = np.ascontiguousarray(records[:, :_HEADER])
-        return head[:, 2].view(np.int32).astype(np.int64), head[:, :2].copy().view(np.int64)[:, 0]
-
     def read(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(found mask, rows [found, width], locations [found])`` of the rows stored here."""
         with self.lock:
@@ -285,7 +279,7 @@ class SsdLog:
             fds = {n: s.fd for n, s in self.segments.items()}
             records = self._read_records(locations[found], fds)
             where = np.flatnonzero(found)
-            head_tables, head_ids = self._headers(records)
+            head_tables, head_ids = record_keys(records)
             # Two keys may share the index's 32-bit hash: a record of another key means
             # the next candidate (or none).
             for k in np.flatnonzero((head_tables != tables[where]) | (head_ids != ids[where])):
@@ -297,7 +291,7 @@ class SsdLog:
                         found[i] = False
                         break
                     candidate = self._read_records(np.array([record]), fds)
-                    t, d = self._headers(candidate)
+                    t, d = record_keys(candidate)
                     if t[0] == tables[i] and d[0] == ids[i]:
                         records[k], locations[i] = candidate[0], record
                         break
@@ -334,7 +328,7 @@ class SsdLog:
         """``(ok, rows)``: the rows at located records whose header names their key (another
         key sharing the hash is left to a read on demand). No lock: a prefetch thread."""
         records = self._read_records(locations, pinned)
-        head_tables, head_ids = self._headers(records)
+        head_tables, head_ids = record_keys(records)
         ok = (head_tables == tables) & (head_ids == ids)
         return ok, np.ascontiguousarray(records[ok, _HEADER:])
 
@@ -427,7 +421,7 @@ class SsdLog:
             slots = np.arange(slot, slot + take, dtype=np.int64)
             locations = number * self.segment_records + slots
             records = self._read_records(locations, {number: victim.fd})
-            tables, ids = self._headers(records)
+            tables, ids = record_keys(records)
             live = self.index.is_current(tables, ids, locations)
             if live.any():
                 new = self._append(tables[live], ids[live], records[live, _HEADER:], locations[live])
@@ -474,7 +468,7 @@ class SsdLog:
                 slots = np.arange(slot, min(slot + chunk_records, segment.written), dtype=np.int64)
                 locations = number * self.segment_records + slots
                 records = self._read_records(locations, {number: segment.fd})
-                tables, ids = self._headers(records)
+                tables, ids = record_keys(records)
                 live = self.index.is_current(tables, ids, locations)
             if live.any():
                 yield tables[live], ids[live], np.ascontiguousarray(records[live, _HEADER:])
@@ -600,6 +594,12 @@ class SsdLog:
 
     def __del__(self) -> None:
         self.close()
+
+
+def record_keys(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(tables, ids)`` written in the headers of whole records (header and row)."""
+    head = np.ascontiguousarray(records[:, :_HEADER])
+    return head[:, 2].view(np.int32).astype(np.int64), head[:, :2].copy().view(np.int64)[:, 0]
 
 
 def _errno_of(fd: int, record: np.ndarray, slot: int, record_bytes: int) -> int:

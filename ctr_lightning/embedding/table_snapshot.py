@@ -321,7 +321,7 @@ def _rows_to_load(engine, directory: Path, f: SnapshotFile, keep: Callable[[str,
     """The rows of ``f`` to load as rows: a segment set's segments the SSD log of the
     group they came from takes by hard link are left out (taken here)."""
     if f.kind != "segments":
-        yield from read_row_file(directory / f.name, f.width)
+        yield from read_snapshot_file(directory, f)
         return
     segment_set = read_segment_set(directory / f.name)
     group = next((g for g in engine.groups if g.names == segment_set.tables), None)

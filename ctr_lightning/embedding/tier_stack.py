@@ -462,7 +462,7 @@ class TierStack:
         if older and len(ids):
             self.drain()
             if self.ssd is not None:
-                present = self.ssd.read(tables, ids)[0]  # exact: the index alone may name a colliding key
+                present = self._present(tables, ids)
             else:
                 tier = self.host_tier if self.host_tier is not None else self.device_tier
                 present = tier.lookup(tables, ids) >= 0
@@ -494,14 +494,16 @@ class TierStack:
                 left.append(n)
                 continue
             keys = segment_keys(segment_set, segment)
+            tables, ids = keys["table"].astype(np.int64), keys["id"]
             take = segment.take
             if keep is not None and take.any():
-                take[take] = keep(keys["table"][take].astype(np.int64), keys["id"][take])
+                take[take] = keep(tables[take], ids[take])
             if older and take.any():
-                take[self._present(keys["table"][take].astype(np.int64), keys["id"][take], np.flatnonzero(take))] = False
+                where = np.flatnonzero(take)
+                take[where[self._present(tables[where], ids[where])]] = False
             if not take.any():
                 continue
-            self.check_ids(keys["table"][take].astype(np.int64), keys["id"][take])
+            self.check_ids(tables[take], ids[take])
             folder = segment_set.path.parent
             if not self.ssd.adopt(folder / segment.file, folder / segment.keys, segment.records, segment.crc32, keys,
                                   take):
@@ -509,15 +511,19 @@ class TierStack:
                 refused = True  # no hard link from this snapshot to this SSD directory
         return left
 
-    def _present(self, tables: np.ndarray, ids: np.ndarray, where: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
-        """``where`` of the keys the SSD log holds already: an index entry first (none:
-        absent), then the record itself (a hash shared with another key), a chunk at a time."""
-        candidates = np.flatnonzero(self.ssd.index.lookup(tables, ids)[0] >= 0)
-        present = []
+    def _present(self, tables: np.ndarray, ids: np.ndarray, chunk: int = 1 << 16) -> np.ndarray:
+        """Which keys the SSD tier holds already, exactly: keys with a candidate in the
+        index (none: absent) are checked against their records (the index's hash may name
+        another key), a chunk at a time."""
+        present = np.zeros(len(ids), dtype=bool)
+        if isinstance(self.ssd, SsdLog):
+            candidates = np.flatnonzero(self.ssd.index.lookup(tables, ids)[0] >= 0)
+        else:
+            candidates = np.arange(len(ids))
         for start in range(0, len(candidates), chunk):
             part = candidates[start : start + chunk]
-            present.append(part[self.ssd.read(tables[part], ids[part])[0]])
-        return where[np.concatenate(present)] if present else where[:0]
+            present[part] = self.ssd.read(tables[part], ids[part])[0]
+        return present
 
     def load(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
         """Replace every stored row by ``rows`` of (``tables``, ``ids``)."""
