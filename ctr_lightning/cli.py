@@ -117,6 +117,11 @@ def main(args: list[str] | None = None) -> None:
 
         export_main(argv[1:])
         return
+    if argv[:1] in (["plan"], ["topology"]):
+        from ctr_lightning.topology.plan_command import plan_main, topology_main
+
+        (plan_main if argv[0] == "plan" else topology_main)(argv[1:])
+        return
     # torchrec's KJT asks torch.fx whether it is tracing, which warns once per process.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     # fbgemm_gpu logs INFO lines through the root logger, whose implicit basicConfig() then

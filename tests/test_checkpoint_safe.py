@@ -32,6 +32,7 @@ def exported_configs() -> list[type]:
 # Instances with values other than the defaults, so the reload is seen to keep them.
 EXAMPLES = {
     "StorageConfig": dict(device_rows=10, host_bytes=1 << 20, ssd_dir="/tmp/x", eviction="lfu"),
+    "AutoStorage": dict(ssd_dirs=("/tmp/a", "/tmp/b"), dram_fraction=0.25, profile_batches=3),
     "SparseSGD": dict(lr=0.5),
     "SparseAdagrad": dict(lr=0.2, eps=1e-6),
     "RowWiseAdagrad": dict(lr=0.3),

@@ -26,3 +26,30 @@ def test_missing_data_path_fails_naming_it(tmp_path, in_process):
         in_process(["fit", "--config", "configs/demo.yaml", "--data", "ctr_lightning.datamodules.CriteoDataModule",
                     "--data.train_paths", f"[{missing}]", "--trainer.logger.init_args.save_dir",
                     str(tmp_path / "runs"), "--trainer.enable_progress_bar", "false"])
+
+
+def test_topology_prints_and_saves_this_machine(tmp_path, in_process, capsys):
+    from ctr_lightning.topology import Machine
+
+    in_process(["topology", "--save", str(tmp_path / "here.json")])
+    out = capsys.readouterr().out
+    assert "numa node 0:" in out and "saved to" in out
+    assert Machine.load(tmp_path / "here.json").cpus
+
+
+def test_plan_prints_the_placement_of_a_config(tmp_path, in_process, capsys):
+    in_process(["plan", "--config", "configs/out_of_core.yaml", "--rows_per_table", "2000000",
+                "--ssd_dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "estimated step" in out and "t_C26" in out and str(tmp_path) in out
+    row = next(line for line in out.splitlines() if line.startswith("t_C1 "))
+    assert int(row.split()[-3].replace(",", "")) > 0  # rows on SSD: 52M rows of 768 B do not fit in DRAM
+
+
+def test_plan_for_recorded_cluster_and_refusal(in_process, capsys):
+    in_process(["plan", "--config", "configs/multi_node.yaml", "--topology", "tests/topology/machines/dgx_a100.json"])
+    out = capsys.readouterr().out
+    assert "2 node(s) x 8 rank(s) (gpu)" in out and "mlx5_9" in out and "inter-node" in out
+    with pytest.raises(SystemExit, match=r"demo.yaml does not fit: rank 0: its tables hold"):
+        in_process(["plan", "--config", "configs/demo.yaml", "--topology", "tests/topology/machines/vm_1socket.json",
+                    "--rows_per_table", "10000000000"])

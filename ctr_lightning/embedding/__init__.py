@@ -1,7 +1,7 @@
 """Sparse embedding collections and their fused row-wise optimizers."""
 
 from ctr_lightning.embedding.fused import FusedEmbeddingBagCollection
-from ctr_lightning.embedding.storage_config import StorageConfig, plan_storage
+from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig, plan_storage
 from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
 from ctr_lightning.embedding.working_set_prefetcher import WorkingSetPrefetcher
 from ctr_lightning.embedding.sharding_plan import TableSharding, plan_sharding
@@ -14,6 +14,7 @@ from ctr_lightning.embedding.optimizers import (
 )
 
 __all__ = [
+    "AutoStorage",
     "FusedEmbeddingBagCollection",
     "RowWiseAdagrad",
     "SparseAdagrad",

@@ -66,6 +66,45 @@ class StorageConfig:
         return _capacity(self.host_rows, self.host_bytes, row_bytes)
 
 
+@checkpoint_safe
+@dataclass(frozen=True)
+class AutoStorage:
+    """Tier budgets planned from the machine (``storage: auto``): at set-up each rank
+    reads the topology, takes its share of free GPU memory and DRAM and an SSD directory
+    near it, and splits them over the tables by their access skew
+    (:func:`ctr_lightning.topology.plan`).
+
+    Args:
+        ssd_dirs: directories the SSD tiers may use; several spread the ranks over drives
+            (nearest first). Empty: ``ctr-lightning-ssd`` on each writable drive.
+        dram_fraction / hbm_fraction: share of the free DRAM (of the rank's NUMA node)
+            and GPU memory the tiers may take.
+        reserve_bytes: memory each rank keeps outside its tiers.
+        profile_batches: count ids over the data's first batches to measure each table's
+            skew (0: assume Zipf 1.05 over ``num_embeddings``).
+
+    Example::
+
+        TieredEmbeddingBagCollection(tables, storage=AutoStorage(ssd_dirs=("/nvme0/run", "/nvme1/run")))
+    """
+
+    ssd_dirs: tuple[str, ...] = ()
+    dram_fraction: float = 0.5
+    hbm_fraction: float = 0.7
+    reserve_bytes: int = 2 << 30
+    profile_batches: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("dram_fraction", "hbm_fraction"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"AutoStorage.{name} must be in (0, 1], got {value}")
+        if self.reserve_bytes < 0 or self.profile_batches < 0:
+            raise ValueError(f"AutoStorage.reserve_bytes and profile_batches must be >= 0, got "
+                             f"{self.reserve_bytes}, {self.profile_batches}")
+        object.__setattr__(self, "ssd_dirs", tuple(self.ssd_dirs))
+
+
 def _capacity(rows: int | None, nbytes: int | None, row_bytes: int) -> int | None:
     limits = [x for x in (rows, None if nbytes is None else nbytes // row_bytes) if x is not None]
     return min(limits) if limits else None

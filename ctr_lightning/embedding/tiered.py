@@ -7,7 +7,7 @@ import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,12 +20,15 @@ from ctr_lightning.embedding.engine import TableEngine
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 from ctr_lightning.embedding.sharding_plan import SHARDING_KINDS, TableSharding, plan_sharding
-from ctr_lightning.embedding.storage_config import StorageConfig
+from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig
 from ctr_lightning.embedding.table_checks import check_tables
 from ctr_lightning.embedding.table_setup import TableSetup, check_kernel_device
 from ctr_lightning.embedding.table_snapshot import MANIFEST, SnapshotManifest, SnapshotRef
 from ctr_lightning.fault_points import reached
 from ctr_lightning.strategies.merge_schedule import MergeSchedule
+
+if TYPE_CHECKING:
+    from ctr_lightning.topology.auto_placement import Placement
 
 DEFAULT_SYNC_EVERY = 16
 
@@ -45,7 +48,8 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     Args:
         tables: the tables, as torchrec configs (SUM or MEAN pooling).
-        storage: one :class:`StorageConfig` for all tables, or one per table name.
+        storage: one :class:`StorageConfig` for all tables, or one per table name; or ``"auto"``
+            (an :class:`AutoStorage`): budgets planned from the machine when the tables are built.
             Default: everything in the device tier.
         optimizer: :class:`SparseAdam` (default), ``SparseAdagrad``, ``RowWiseAdagrad``, ``SparseSGD``.
         id_space: ``"hashed"`` (any non-negative id) or ``"bounded"`` (``0 <= id <
@@ -88,7 +92,7 @@ class TieredEmbeddingBagCollection(nn.Module):
     def __init__(
         self,
         tables: Sequence[EmbeddingBagConfig],
-        storage: StorageConfig | Mapping[str, StorageConfig] | None = None,
+        storage: StorageConfig | Mapping[str, StorageConfig] | AutoStorage | str | None = None,
         optimizer: SparseOptimizer = SparseAdam(),
         id_space: str | Mapping[str, str] = "hashed",
         is_weighted: bool = False,
@@ -103,8 +107,16 @@ class TieredEmbeddingBagCollection(nn.Module):
     ) -> None:
         super().__init__()
         self._feature_names = check_tables(tables, type(self).__name__)
-        self._setup = TableSetup.build(tables, storage, optimizer, id_space, is_weighted, device, seed, kernel,
-                                       module_name=type(self).__name__)
+        if storage == "auto":
+            storage = AutoStorage()
+        elif isinstance(storage, str):
+            raise ValueError(f"storage must be a StorageConfig, a dict of them, 'auto' or AutoStorage, got {storage!r}")
+        # storage auto: the tiers are planned when the collection is built, on the rank that
+        # holds them; until then it is set up with every row in memory.
+        self._auto_storage = storage if isinstance(storage, AutoStorage) else None
+        self.placement: Placement | None = None
+        self._setup = TableSetup.build(tables, None if self._auto_storage else storage, optimizer, id_space,
+                                       is_weighted, device, seed, kernel, module_name=type(self).__name__)
         if isinstance(sharding, str) and sharding not in (*SHARDING_KINDS, "auto"):
             raise ValueError(f"sharding must be 'row_wise', 'table_wise', 'auto' or a dict, got {sharding!r}")
         if sparse_sync not in ("step", "k_step"):
@@ -162,14 +174,39 @@ class TieredEmbeddingBagCollection(nn.Module):
             from ctr_lightning.embedding.distributed import ReplicatedTables, ShardedTables
 
             plan = plan_sharding(self._tables, process_group.size(), self._sharding)
+            self._place(plan, process_group)
             if self._sparse_sync == "k_step":
                 self._engine = ReplicatedTables(self._tables, self._setup, plan, process_group, self._merge_schedule,
                                                 state_dtype=self._sync_state_dtype)
             else:
                 self._engine = ShardedTables(self._tables, self._setup, plan, process_group)
         else:
+            self._place(plan_sharding(self._tables, 1, self._sharding), None)
             self._engine = LocalTables(self._tables, self._setup)
         return self._engine
+
+    def plan_placement(self, batch_size: int = 4096, access: Mapping[str, Any] | None = None) -> Placement | None:
+        """Under ``storage="auto"``, plan this rank's tiers now (collective across ranks),
+        with the data's ``batch_size`` per rank and measured ``access`` profiles
+        (:func:`ctr_lightning.topology.measure_access`); None otherwise. Called by
+        DLRMModule at the start of fit; else the first use plans with a Zipf guess."""
+        if self._auto_storage is None or self._engine is not None:
+            return self.placement
+        self._placement_inputs = (batch_size, access)
+        self._built()
+        return self.placement
+
+    def _place(self, sharding: Mapping[str, TableSharding], process_group: dist.ProcessGroup | None) -> None:
+        if self._auto_storage is None:
+            return
+        from ctr_lightning.topology.auto_placement import place_tables
+
+        batch_size, access = getattr(self, "_placement_inputs", (4096, None))
+        self.placement = place_tables(self._tables, self._setup.optimizer, sharding, self._auto_storage,
+                                      self._setup.device, process_group, batch_size, access)
+        self._setup = TableSetup.build(self._tables, self.placement.storage, self._setup.optimizer,
+                                       dict(self._setup.id_space), self._setup.is_weighted, self._setup.device,
+                                       self._setup.seed, self._setup.kernel, module_name=self._setup.module_name)
 
     @property
     def device(self) -> torch.device:
@@ -179,6 +216,8 @@ class TieredEmbeddingBagCollection(nn.Module):
     @property
     def ssd_directories(self) -> list[str]:
         """The SSD tier's directories (each rank of a sharded collection uses ``<dir>/rank<r>``)."""
+        if self._auto_storage is not None:
+            self._built()  # under storage auto, where the SSD tier goes is planned then
         return sorted({s.ssd_dir for s in self._setup.storage.values() if s.ssd_dir is not None})
 
     @property

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,7 +16,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from ctr_lightning.batch import Batch
 from ctr_lightning.datamodules.criteo_schema import NUM_DENSE, SPARSE_NAMES
-from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+from ctr_lightning.embedding import AutoStorage, SparseAdam, StorageConfig, TieredEmbeddingBagCollection
 from ctr_lightning.metrics import LogLoss, NormalizedEntropy
 
 
@@ -38,6 +39,10 @@ class DLRMModule(pl.LightningModule):
         learning_rate: Adam learning rate of the dense part.
         sparse_learning_rate: Adam learning rate of the tables (fused into backward).
         storage: tier capacities and SSD directory of the tables; default all in the device tier.
+            ``"auto"`` (or an :class:`AutoStorage`): planned from the machine at the start of
+            fit (``ctr_lightning.topology``): each rank's tier budgets, SSD directory and CPUs
+            (the process and its DataLoader workers are pinned to them), the plan logged to
+            TensorBoard as text (``placement_plan``).
         seed: initial table weights.
         sharding: how the tables split over ranks in a distributed run (``"row_wise"``,
             ``"table_wise"``, ``"auto"``); see :class:`TieredEmbeddingBagCollection`.
@@ -64,7 +69,7 @@ class DLRMModule(pl.LightningModule):
         over_arch_layer_sizes: Sequence[int] = (128, 64, 1),
         learning_rate: float = 1e-3,
         sparse_learning_rate: float = 0.01,
-        storage: StorageConfig | None = None,
+        storage: StorageConfig | AutoStorage | str | None = None,
         seed: int = 0,
         sharding: str = "row_wise",
         sparse_sync: str = "step",
@@ -96,6 +101,37 @@ class DLRMModule(pl.LightningModule):
         self.val_metrics = _quality_metrics()
         self.test_metrics = _quality_metrics()
         self._bytes_before = 0
+
+    def on_fit_start(self) -> None:
+        placement = self._place_tables()
+        if placement is None:
+            return
+        cpus = placement.bind_cpus()
+        text = placement.plan.to_text()
+        rank_zero_info(f"storage auto: rank {self.global_rank} on CPUs {list(cpus)}; SSD "
+                       f"{placement.rank.ssd_dir}\n{text}")
+        experiment = getattr(self.logger, "experiment", None)
+        if self.global_rank == 0 and hasattr(experiment, "add_text"):
+            # Indented four spaces: TensorBoard renders text as Markdown, and the tables are aligned.
+            experiment.add_text("placement_plan", "\n".join("    " + line for line in text.splitlines()))
+
+    def _place_tables(self) -> Any:
+        """Plan the tables' tiers under ``storage: auto``, with the data's batch size and, when
+        asked, id counts of its first batches."""
+        auto = self.embeddings._auto_storage
+        if auto is None:
+            return None
+        datamodule = getattr(self.trainer, "datamodule", None)
+        batch_size = (getattr(datamodule, "batch_size", None)
+                      or (getattr(datamodule, "hparams", None) or {}).get("batch_size") or 4096)
+        access = None
+        if auto.profile_batches and datamodule is not None:
+            from ctr_lightning.topology import measure_access
+
+            tables = self.embeddings.embedding_bag_configs()
+            access = measure_access(datamodule.train_dataloader(), {t.name: list(t.feature_names) for t in tables},
+                                    {t.name: t.num_embeddings for t in tables}, auto.profile_batches)
+        return self.embeddings.plan_placement(int(batch_size), access)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.dlrm(batch.dense, batch.sparse).squeeze(-1)

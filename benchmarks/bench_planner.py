@@ -1,0 +1,194 @@
+"""Does the topology planner pick well on this machine? Candidate placements of one model
+and data, the cost model's predicted step against a measured one, in ONE run.
+
+The model: a DLRM (torchrec's, on TieredEmbeddingBagCollection, dense Adam) with 8 tables
+of dim 32 and Adam rows (384 bytes), each table's ids Zipf-skewed by its own exponent
+(1.4 down to 0.3), batch 2048 a rank. First the rates of this machine are measured
+(``ctr_lightning.topology.calibration``: a DLRM step's fixed and per-row costs on
+100k-row tables, the SSD tier's cost per row read with the page cache dropped, gloo
+all-to-alls between two ranks on 127.0.0.1); then each candidate is planned
+(``ctr_lightning.topology.plan`` with those rates) and run as planned:
+
+  A  1 rank, all rows in DRAM
+  B  1 rank, 10% of the rows in DRAM, split over tables by skew (the planner's split), the rest on SSD
+  C  1 rank, 10% in DRAM split in proportion to the tables' sizes (uniform), the rest on SSD
+  D  2 ranks (gloo, one thread each), row-wise, all in DRAM
+  E  2 ranks, table-wise, all in DRAM
+
+Each run fills every row first (no first-touch in the timed steps), warms up, then times
+``--steps`` steps (the median; the slowest rank's for 2 ranks). SSD candidates drop the
+tier's pages from the page cache before every step, as for tables larger than RAM.
+Prints per candidate predicted and measured ms/step and examples/s, their ratio, the
+planner's choice against the fastest measured, and B / C.
+
+    python benchmarks/bench_planner.py [--rows 200000 --steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from ctr_lightning.embedding import SparseAdam
+from ctr_lightning.topology import ModelShape, PlanOptions, TableAccess, discover, plan
+from ctr_lightning.topology.calibration import (dlrm_step, drop_cached_pages, fill_tables, make_batch,
+                                                measure_links, measure_rates)
+
+SKEWS = (1.4, 1.25, 1.1, 1.0, 0.9, 0.8, 0.6, 0.3)
+DIM = 32
+
+
+def model_shape(rows: int, batch: int) -> ModelShape:
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f{i}"])
+              for i in range(len(SKEWS))]
+    return ModelShape.dlrm(tables, SparseAdam(lr=1e-3), batch, 13, (64,), (128, 64, 1))
+
+
+def run_placement(shape: ModelShape, rows: int, storage: object, sharding: object, steps: int, cold: str | None,
+                  seed: int) -> dict[str, float]:
+    """Fill, warm up, time ``steps`` steps of the model placed as given; median seconds a step."""
+    ebc, step = dlrm_step(shape, storage, sharding)
+    fill_tables(step, shape, rows)
+    rng = np.random.default_rng(seed)
+    batches = [make_batch(rng, shape, rows, list(SKEWS)) for _ in range(steps + 4)]
+    for batch in batches[:4]:
+        step(batch)
+    times, reads = [], []
+    for batch in batches[4:]:
+        if cold:
+            drop_cached_pages(cold)
+        before = ebc.tier_stats()["ssd_hits"]
+        start = time.perf_counter()
+        step(batch)
+        times.append(time.perf_counter() - start)
+        reads.append(ebc.tier_stats()["ssd_hits"] - before)
+    ebc.stop_prefetch()
+    return {"seconds": float(np.median(times)), "ssd_rows": float(np.median(reads))}
+
+
+def _two_ranks(rank: int, port: int, shape: ModelShape, rows: int, steps: int, plans: dict, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    result: dict = {}
+    if rank == 0:
+        result["links"] = dataclasses.asdict(measure_links(plans["rates"]))
+    else:
+        measure_links(plans["rates"])
+    for name, (sharding, storage) in plans["runs"].items():
+        dist.barrier()
+        result[name] = run_placement(shape, rows, storage, sharding, steps, None, seed=10 + rank)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=200_000, help="rows a table")
+    parser.add_argument("--batch", type=int, default=2048, help="examples a step a rank")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps a candidate")
+    parser.add_argument("--dir", default="bench_out/planner", help="SSD files (deleted at the end)")
+    args = parser.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    work = tempfile.mkdtemp(dir=args.dir)
+    try:
+        run(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, work: str) -> None:
+    machine = discover()
+    shape = model_shape(args.rows, args.batch)
+    access = {t.name: TableAccess.zipf(args.rows, s) for t, s in zip(shape.tables, SKEWS)}
+    total = sum(args.rows * shape.row_bytes(t) for t in shape.tables)
+    print(f"{len(SKEWS)} tables x {args.rows:,} rows, dim {DIM}, Adam ({shape.row_bytes(shape.tables[0])} B a row, "
+          f"{total / 2**20:.0f} MiB), batch {args.batch} a rank, skews {SKEWS}", flush=True)
+
+    start = time.perf_counter()
+    rates2 = measure_rates(shape, threads=2, ssd_dir=work)
+    rates1 = measure_rates(shape, threads=1)
+    print(f"calibration ({time.perf_counter() - start:.0f} s): 2 threads: fixed {shape.dense_flops_per_example * args.batch / rates2.dense_flops * 1e3:.1f} ms, "
+          f"{rates2.row_op_s * 1e9:.0f} ns a row, SSD {1e6 / rates2.ssd_read_iops:.1f} us a row read; "
+          f"1 thread: fixed {shape.dense_flops_per_example * args.batch / rates1.dense_flops * 1e3:.1f} ms, "
+          f"{rates1.row_op_s * 1e9:.0f} ns a row", flush=True)
+
+    budget = int(0.1 * total)
+    one = {
+        "A all in DRAM": PlanOptions(device_bytes=2 * total),
+        "B 10% DRAM, skew-aware": PlanOptions(device_bytes=budget, ssd_dirs=(os.path.join(work, "b"),)),
+        "C 10% DRAM, uniform": PlanOptions(device_bytes=budget, ssd_dirs=(os.path.join(work, "c"),), skew_aware=False),
+    }
+    two = {
+        "D 2 ranks row-wise": PlanOptions(ranks_per_node=2, device_bytes=2 * total, sharding="row_wise"),
+        "E 2 ranks table-wise": PlanOptions(ranks_per_node=2, device_bytes=2 * total, sharding="table_wise"),
+    }
+    results: dict[str, dict] = {}
+    plans = {}
+    for name, options in one.items():
+        plans[name] = plan(machine, shape, access, options, rates=rates2)
+        p = plans[name]
+        cold = p.ranks[0].ssd_dir if any(t.ssd_rows for t in p.tables) else None
+        storage = p.storage(0) if cold else None
+        results[name] = run_placement(shape, args.rows, storage, p.sharding(), args.steps, cold, seed=10)
+        print(f"  ran {name}: {results[name]['seconds'] * 1e3:.1f} ms/step", flush=True)
+
+    port = 29500 + os.getpid() % 1000
+    out = os.path.join(work, "two")
+    links_probe = {"rates": rates1, "runs": {}}
+    for name, options in two.items():
+        plans[name] = plan(machine, shape, access, options, rates=rates1)
+        links_probe["runs"][name] = (plans[name].sharding(), None)
+    mp.spawn(_two_ranks, args=(port, shape, args.rows, args.steps, links_probe, out), nprocs=2, join=True)
+    ranks = [json.load(open(f"{out}.{r}")) for r in range(2)]
+    from ctr_lightning.topology import HardwareRates
+
+    rates_links = HardwareRates(**ranks[0]["links"])
+    print(f"  gloo all-to-all on 127.0.0.1: {rates_links.intra_node_bw / 1e9:.2f} GB/s, "
+          f"{rates_links.collective_latency_s * 1e6:.0f} us a collective", flush=True)
+    for name, options in two.items():
+        plans[name] = plan(machine, shape, access, options, rates=rates_links)
+        results[name] = {"seconds": max(r[name]["seconds"] for r in ranks), "ssd_rows": 0.0}
+        print(f"  ran {name}: {results[name]['seconds'] * 1e3:.1f} ms/step", flush=True)
+    auto_two = plan(machine, shape, access, PlanOptions(ranks_per_node=2, device_bytes=2 * total), rates=rates_links)
+
+    print()
+    print("| candidate | predicted ms/step | measured ms/step | predicted / measured | predicted examples/s "
+          "| measured examples/s | SSD rows read a step (predicted / measured) |")
+    print("|---|---|---|---|---|---|---|")
+    errors = {}
+    for name, p in plans.items():
+        pred, meas = p.step_estimate.seconds, results[name]["seconds"]
+        errors[name] = pred / meas
+        ssd = p.step_estimate.link_bytes["ssd read"] / 4096
+        print(f"| {name} | {pred * 1e3:.1f} | {meas * 1e3:.1f} | {pred / meas:.2f} | {p.examples_per_step / pred:,.0f} "
+              f"| {p.examples_per_step / meas:,.0f} | {ssd:,.0f} / {results[name]['ssd_rows']:,.0f} |")
+    ex_pred = {n: p.examples_per_step / p.step_estimate.seconds for n, p in plans.items()}
+    ex_meas = {n: plans[n].examples_per_step / results[n]["seconds"] for n in plans}
+    chosen, fastest = max(ex_pred, key=ex_pred.get), max(ex_meas, key=ex_meas.get)
+    print()
+    print(f"worst prediction error: {max(abs(e - 1) for e in errors.values()):.0%} (target <= 30%)")
+    print(f"planner's choice (highest predicted examples/s): {chosen}; fastest measured: {fastest}; "
+          f"choice / fastest measured: {ex_meas[chosen] / ex_meas[fastest]:.2f}x (target >= 0.90)")
+    print(f"2 ranks, sharding auto: the planner picks {sorted(set(auto_two.sharding().values()))}; measured "
+          f"row-wise / table-wise: {results['E 2 ranks table-wise']['seconds'] / results['D 2 ranks row-wise']['seconds']:.2f}x")
+    b, c = results["B 10% DRAM, skew-aware"]["seconds"], results["C 10% DRAM, uniform"]["seconds"]
+    print(f"skew-aware / uniform DRAM split (same budget): {c / b:.2f}x steps/s (target >= 1.1)")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

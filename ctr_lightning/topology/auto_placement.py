@@ -1,0 +1,84 @@
+"""``storage: auto``: each rank plans its tables' tiers from the machine it runs on."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from ctr_lightning.embedding.optimizers import SparseOptimizer
+from ctr_lightning.embedding.sharding_plan import TableSharding
+from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig
+from ctr_lightning.topology.access_profile import TableAccess
+from ctr_lightning.topology.discovery import discover
+from ctr_lightning.topology.plan import Plan, PlanError, RankPlacement
+from ctr_lightning.topology.planner import ModelShape, PlanOptions, plan
+
+
+@dataclass(frozen=True)
+class Placement:
+    """This rank's share of a plan: the whole plan, and where this rank sits in it."""
+
+    plan: Plan
+    rank: RankPlacement
+    storage: dict[str, StorageConfig]
+
+    def bind_cpus(self) -> tuple[int, ...]:
+        """Pin this process (and the DataLoader workers it starts later) to its CPUs."""
+        if self.rank.cpus:
+            os.sched_setaffinity(0, self.rank.cpus)
+        return self.rank.cpus
+
+
+def place_tables(tables: Sequence[EmbeddingBagConfig], optimizer: SparseOptimizer,
+                 sharding: Mapping[str, TableSharding], auto: AutoStorage, device: torch.device,
+                 process_group: dist.ProcessGroup | None = None, batch_size: int = 4096,
+                 access: Mapping[str, TableAccess] | None = None) -> Placement:
+    """Plan the tiers of ``tables`` (sharded as ``sharding``) for this rank of
+    ``process_group``. Collective when the group has more than one rank: the ranks tell
+    each other their host names, so that ranks on one machine share it.
+
+    Example::
+
+        placement = place_tables(tables, SparseAdam(), {"t0": TableSharding("row_wise")}, AutoStorage(),
+                                 torch.device("cpu"))
+        placement.storage["t0"]     # StorageConfig(device_rows=..., ssd_dir=...)
+    """
+    world = process_group.size() if process_group is not None else 1
+    rank = process_group.rank() if process_group is not None else 0
+    hosts = [socket.gethostname()]
+    if world > 1:
+        hosts = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname(), group=process_group)
+    per_host = {h: hosts.count(h) for h in hosts}
+    if len(set(per_host.values())) != 1:
+        raise PlanError(f"storage auto: nodes run different numbers of ranks ({per_host}); the plan needs "
+                        f"the same number on every node")
+    ranks_per_node = per_host[hosts[rank]]
+    local_rank = [r for r, h in enumerate(hosts) if h == hosts[rank]].index(rank)
+    machine = discover(gpus=device.type == "cuda")
+    shape = ModelShape(tuple(tables), optimizer, batch_size)
+    options = PlanOptions(num_nodes=world // ranks_per_node, ranks_per_node=ranks_per_node,
+                          accelerator="gpu" if device.type == "cuda" else "cpu", ssd_dirs=auto.ssd_dirs,
+                          dram_fraction=auto.dram_fraction, hbm_fraction=auto.hbm_fraction,
+                          reserve_bytes=auto.reserve_bytes, sharding={n: s.kind for n, s in sharding.items()})
+    result = plan(machine, shape, access, options)
+    mine = result.ranks[local_rank]
+    if device.type == "cuda" and device.index is not None:
+        mine = next((r for r in result.ranks if r.node == 0 and r.gpu == device.index), mine)
+    storage = {}
+    for t in result.tables:
+        if mine.ssd_dir is not None:
+            # Bounded, with the SSD below: a table that grows past its expected rows spills.
+            storage[t.name] = StorageConfig(device_rows=max(t.device_rows, 1), host_rows=t.host_rows,
+                                            ssd_dir=mine.ssd_dir)
+        elif t.host_rows:
+            storage[t.name] = StorageConfig(device_rows=max(t.device_rows, 1))
+        else:
+            storage[t.name] = StorageConfig()
+    return Placement(result, mine, storage)

@@ -1,0 +1,147 @@
+"""A placement plan: per table its sharding and tier split, per rank its devices, CPUs,
+SSD directory and budgets, and the cost model's estimate of a step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ctr_lightning.embedding.sharding_plan import TableSharding
+from ctr_lightning.embedding.storage_config import StorageConfig
+from ctr_lightning.topology.cost_model import StepEstimate
+
+
+class PlanError(ValueError):
+    """A plan that cannot fit: raised before training, with the numbers that do not."""
+
+
+@dataclass(frozen=True)
+class TablePlacement:
+    """One table: its sharding and, on each rank holding it, rows per tier.
+
+    ``device_coverage`` / ``host_coverage`` are the shares of its lookups the device tier,
+    and the device and host tiers together, serve (estimated from the access profile).
+    """
+
+    name: str
+    sharding: TableSharding
+    rows: int
+    row_bytes: int
+    device_rows: int
+    host_rows: int
+    ssd_rows: int
+    device_coverage: float
+    host_coverage: float
+
+    def storage(self, ssd_dir: str | None) -> StorageConfig:
+        return StorageConfig(device_rows=max(self.device_rows, 1), host_rows=self.host_rows,
+                             ssd_dir=ssd_dir if self.ssd_rows else None)
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """One rank: where it runs and what it may use (budgets in bytes)."""
+
+    rank: int
+    node: int
+    local_rank: int
+    gpu: int | None
+    numa_node: int | None
+    cpus: tuple[int, ...]
+    nic: str | None
+    ssd_dir: str | None
+    device_bytes: int
+    host_bytes: int
+    ssd_bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What :func:`~ctr_lightning.topology.plan` decided.
+
+    Example::
+
+        p = plan(machine, shape)
+        p.sharding()           # {"t_C1": "row_wise", ...} for TieredEmbeddingBagCollection
+        p.storage(rank=0)      # {"t_C1": StorageConfig(...), ...}
+        print(p.to_text())
+    """
+
+    num_nodes: int
+    ranks_per_node: int
+    accelerator: str
+    tables: tuple[TablePlacement, ...]
+    ranks: tuple[RankPlacement, ...]
+    intra_groups: tuple[tuple[int, ...], ...]
+    estimates: tuple[StepEstimate, ...]
+    examples_per_step: int
+    notes: tuple[str, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def step_estimate(self) -> StepEstimate:
+        """The slowest rank's estimate: every rank waits for it."""
+        return max(self.estimates, key=lambda e: e.seconds)
+
+    @property
+    def examples_per_second(self) -> float:
+        return self.examples_per_step / self.step_estimate.seconds
+
+    def sharding(self) -> dict[str, str]:
+        return {t.name: t.sharding.kind for t in self.tables}
+
+    def storage(self, rank: int = 0) -> dict[str, StorageConfig]:
+        return {t.name: t.storage(self.ranks[rank].ssd_dir) for t in self.tables}
+
+    def to_text(self, machine_text: str = "") -> str:
+        lines = [machine_text] if machine_text else []
+        e = self.step_estimate
+        lines.append(f"plan: {self.num_nodes} node(s) x {self.ranks_per_node} rank(s) ({self.accelerator}), "
+                     f"{self.examples_per_step} examples a step")
+        lines.append(f"estimated step {e.seconds * 1e3:.2f} ms ({self.examples_per_second:,.0f} examples/s); "
+                     + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in e.parts.items()))
+        lines.append("bytes a step on the slowest rank: "
+                     + ", ".join(f"{k} {_size(v)}" for k, v in e.link_bytes.items()))
+        lines.append("")
+        lines.append(f"{'table':<16} {'sharding':<14} {'rows':>13} {'row B':>6} {'device rows':>12} "
+                     f"{'host rows':>11} {'ssd rows':>13} {'dev hit':>8} {'+host':>6}")
+        for t in self.tables:
+            kind = t.sharding.kind + (f"@{t.sharding.owner}" if t.sharding.kind == "table_wise" else "")
+            lines.append(f"{t.name:<16} {kind:<14} {t.rows:>13,} {t.row_bytes:>6} {t.device_rows:>12,} "
+                         f"{t.host_rows:>11,} {t.ssd_rows:>13,} {t.device_coverage:>8.3f} {t.host_coverage:>6.3f}")
+        lines.append("")
+        lines.append(f"{'rank':>4} {'node':>4} {'gpu':>4} {'numa':>4} {'cpus':<14} {'nic':<10} {'ssd dir':<28} "
+                     f"{'device':>9} {'host':>9} {'ssd':>9} {'est. ms':>8}")
+        for r, est in zip(self.ranks, self.estimates):
+            lines.append(f"{r.rank:>4} {r.node:>4} {_opt(r.gpu):>4} {_opt(r.numa_node):>4} {_cpus(r.cpus):<14} "
+                         f"{_opt(r.nic):<10} {_opt(r.ssd_dir):<28} {_size(r.device_bytes):>9} "
+                         f"{_size(r.host_bytes):>9} {_size(r.ssd_bytes):>9} {est.seconds * 1e3:>8.2f}")
+        if self.intra_groups:
+            lines.append(f"intra-node groups (local ranks): {[list(g) for g in self.intra_groups]}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _opt(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _cpus(cpus: Sequence[int]) -> str:
+    if not cpus:
+        return "-"
+    runs, start = [], cpus[0]
+    for a, b in zip(cpus, [*cpus[1:], None]):
+        if b != a + 1:
+            runs.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(runs)

@@ -1,0 +1,153 @@
+"""``ctr-lightning plan`` and ``ctr-lightning topology``: the machine and the plan for a config,
+without training."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from ctr_lightning.embedding.optimizers import SparseAdam
+from ctr_lightning.topology.access_profile import TableAccess, measure_access
+from ctr_lightning.topology.discovery import discover
+from ctr_lightning.topology.machine import Machine
+from ctr_lightning.topology.plan import Plan, PlanError
+from ctr_lightning.topology.planner import ModelShape, PlanOptions, plan
+
+
+def describe_machine(machine: Machine) -> str:
+    """A few lines per NUMA node, GPU, NIC and drive."""
+    lines = [f"machine {machine.hostname}: {len(machine.cpus)} CPUs usable, "
+             f"{_gib(machine.memory_bytes)} memory ({_gib(machine.free_memory_bytes)} free)"]
+    for n in machine.numa_nodes:
+        lines.append(f"  numa node {n.id}: {len(n.cpus)} CPUs, {_gib(n.memory_bytes)} ({_gib(n.free_bytes)} free)")
+    for g in machine.gpus:
+        lines.append(f"  gpu {g.index}: {g.name or '?'} on numa {_opt(g.numa_node)}, "
+                     f"{_gib(g.memory_bytes)} ({_gib(g.free_bytes)} free), pci {_opt(g.pci_address)}")
+    if machine.gpus:
+        lines.append(f"  nvlink islands: {'unknown' if machine.nvlink_groups is None else list(machine.nvlink_groups)}")
+    for nic in machine.nics:
+        speed = "speed unknown" if nic.speed_mbps is None else f"{nic.speed_mbps / 1000:g} Gb/s"
+        lines.append(f"  nic {nic.name}: {speed} on numa {_opt(nic.numa_node)}, pci {_opt(nic.pci_address)}")
+    for d in machine.drives:
+        rot = {None: "?", True: "rotational", False: "solid-state"}[d.rotational]
+        lines.append(f"  drive {d.name} ({d.kind or '?'}, {rot}, {_gib(d.size_bytes)}) on numa {_opt(d.numa_node)}")
+        for fs in d.file_systems:
+            lines.append(f"    {fs.mount_point} {fs.fstype} {_gib(fs.free_bytes)} free of {_gib(fs.total_bytes)}"
+                         f"{'' if fs.writable else ', read-only'}")
+    lines += [f"  note: {n}" for n in machine.notes]
+    return "\n".join(lines)
+
+
+def shape_from_config(config: Mapping[str, Any], rows_per_table: int | None = None) -> tuple[ModelShape, Any]:
+    """The :class:`ModelShape` of a ``ctr-lightning fit`` config (a DLRMModule and its data),
+    and the DataModule, built but not set up."""
+    from ctr_lightning.models import DLRMModule
+
+    defaults = {p.name: p.default for p in inspect.signature(DLRMModule.__init__).parameters.values()
+                if p.default is not inspect.Parameter.empty}
+    model = {**defaults, **(config.get("model") or {})}
+    data_spec = config.get("data") or {}
+    if "class_path" not in data_spec:
+        raise ValueError("the config has no data.class_path: plan needs the DataModule to know the features")
+    module, _, name = data_spec["class_path"].rpartition(".")
+    datamodule = getattr(importlib.import_module(module), name)(**(data_spec.get("init_args") or {}))
+    features = list(getattr(datamodule, "sparse_feature_names", None) or model["sparse_feature_names"])
+    dense_in = getattr(datamodule, "num_dense_features", None) or model["num_dense_features"]
+    batch = (data_spec.get("init_args") or {}).get("batch_size") or getattr(datamodule, "batch_size", None)
+    if not batch:
+        raise ValueError(f"{data_spec['class_path']}: no batch_size in the config")
+    rows = rows_per_table or model["num_embeddings"]
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=model["embedding_dim"], num_embeddings=rows,
+                                 feature_names=[f]) for f in features]
+    strategy = (config.get("trainer") or {}).get("strategy")
+    k = 1
+    if isinstance(strategy, Mapping) and str(strategy.get("class_path", "")).endswith("KStepAdamStrategy"):
+        k = int((strategy.get("init_args") or {}).get("k", 1))
+    sparse_sync = model.get("sparse_sync") or "step"
+    if sparse_sync == "k_step":  # the tables' interval: sync_every, else the strategy's k, else 16
+        k = int(model.get("sync_every") or (k if k > 1 else 16))
+    shape = ModelShape.dlrm(tables, SparseAdam(lr=model["sparse_learning_rate"]), int(batch), int(dense_in),
+                            model["dense_arch_layer_sizes"], model["over_arch_layer_sizes"], k=k,
+                            sparse_sync=sparse_sync)
+    return shape, datamodule
+
+
+def plan_for_config(config: Mapping[str, Any], machine: Machine, num_nodes: int | None = None,
+                    ranks_per_node: int | None = None, profile_batches: int = 0,
+                    rows_per_table: int | None = None, ssd_dirs: tuple[str, ...] = ()) -> Plan:
+    """The plan ``ctr-lightning fit`` makes for ``config`` on machines like ``machine``."""
+    shape, datamodule = shape_from_config(config, rows_per_table)
+    trainer = config.get("trainer") or {}
+    model = config.get("model") or {}
+    storage = model.get("storage") if isinstance(model.get("storage"), Mapping) else {}
+    devices = trainer.get("devices")
+    accelerator = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}.get(str(trainer.get("accelerator", "auto")), "auto")
+    options = PlanOptions(
+        num_nodes=num_nodes or int(trainer.get("num_nodes", 1)),
+        ranks_per_node=ranks_per_node or (devices if isinstance(devices, int) else None),
+        accelerator=accelerator,
+        ssd_dirs=ssd_dirs or ((storage["ssd_dir"],) if storage.get("ssd_dir") else ()),
+        sharding=model.get("sharding", "auto"),  # not set: the cost model picks per table
+    )
+    access: dict[str, TableAccess] | None = None
+    if profile_batches:
+        datamodule.setup("fit")
+        access = measure_access(datamodule.train_dataloader(), {t.name: list(t.feature_names) for t in shape.tables},
+                                {t.name: t.num_embeddings for t in shape.tables}, profile_batches)
+    return plan(machine, shape, access, options)
+
+
+def plan_main(argv: list[str] | None = None) -> None:
+    """``ctr-lightning plan --config X.yaml [--topology FILE.json] [--num_nodes N]``."""
+    parser = argparse.ArgumentParser(
+        prog="ctr-lightning plan",
+        description="Print the machine's topology and the placement plan for a fit config: per table its "
+                    "sharding and HBM / DRAM / SSD split, per rank its GPU, CPUs, NIC and SSD directory, the "
+                    "bytes a step on each link and the estimated step time.")
+    parser.add_argument("--config", required=True, help="a ctr-lightning fit config (YAML)")
+    parser.add_argument("--topology", help="a machine description (JSON from `ctr-lightning topology --save`) "
+                                           "to plan for instead of this machine")
+    parser.add_argument("--num_nodes", type=int, help="nodes like it (default: the config's trainer.num_nodes)")
+    parser.add_argument("--ranks_per_node", type=int, help="default: trainer.devices, else one per GPU, else 1")
+    parser.add_argument("--profile_batches", type=int, default=0,
+                        help="count ids over the data's first N batches for each table's skew (default 0: "
+                             "assume Zipf 1.05 over num_embeddings)")
+    parser.add_argument("--rows_per_table", type=int, help="expected rows per table (default: num_embeddings)")
+    parser.add_argument("--ssd_dir", action="append", default=[], help="an SSD directory (repeat for several)")
+    args = parser.parse_args(argv)
+    config = yaml.safe_load(Path(args.config).read_text()) or {}
+    machine = Machine.load(args.topology) if args.topology else discover()
+    try:
+        result = plan_for_config(config, machine, args.num_nodes, args.ranks_per_node, args.profile_batches,
+                                 args.rows_per_table, tuple(args.ssd_dir))
+    except PlanError as err:
+        raise SystemExit(f"ctr-lightning plan: {args.config} does not fit: {err}") from None
+    print(result.to_text(describe_machine(machine) + "\n"))
+
+
+def topology_main(argv: list[str] | None = None) -> None:
+    """``ctr-lightning topology [--save FILE.json]``."""
+    parser = argparse.ArgumentParser(prog="ctr-lightning topology",
+                                     description="Print this machine's topology, read from /sys and /proc.")
+    parser.add_argument("--save", help="also write it as JSON, for `ctr-lightning plan --topology`")
+    args = parser.parse_args(argv)
+    machine = discover()
+    print(describe_machine(machine))
+    if args.save:
+        machine.save(args.save)
+        print(f"saved to {args.save}")
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _opt(value: object) -> str:
+    return "?" if value is None else str(value)

@@ -1,0 +1,65 @@
+"""``storage: auto`` through a real fit: one process through the CLI, two gloo ranks."""
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+RANK_SCRIPT = r"""
+import json, os, sys
+import lightning.pytorch as pl
+from ctr_lightning.datamodules import SyntheticStreamDataModule
+from ctr_lightning.embedding import AutoStorage
+from ctr_lightning.models import DLRMModule
+
+ssd = sys.argv[2]
+pl.seed_everything(0)
+dm = SyntheticStreamDataModule(num_sparse=4, batch_size=256, train_batches=6, val_batches=0, head_size=5000,
+                               num_workers=0)
+model = DLRMModule(sparse_feature_names=dm.sparse_feature_names, embedding_dim=8, num_embeddings=20_000,
+                   dense_arch_layer_sizes=[16], over_arch_layer_sizes=[16, 1],
+                   storage=AutoStorage(ssd_dirs=(ssd,), reserve_bytes=0))
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=6, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                     num_sanity_val_steps=0, limit_val_batches=0)
+trainer.fit(model, datamodule=dm)
+p = model.embeddings.placement
+print("RESULT " + json.dumps({"rank": trainer.global_rank, "cpus": sorted(os.sched_getaffinity(0)),
+                              "planned_cpus": list(p.rank.cpus), "world": p.plan.world_size,
+                              "device_bytes": p.rank.device_bytes, "steps": trainer.global_step,
+                              "dirs": model.embeddings.ssd_directories}), flush=True)
+import torch.distributed as dist
+if dist.is_initialized():
+    dist.destroy_process_group()
+"""
+
+
+def test_two_ranks_plan_share_the_machine_and_pin_their_cpus(tmp_path, run_ranks):
+    import os
+
+    ranks = run_ranks(RANK_SCRIPT, [str(tmp_path / "ssd")], world=2)
+    assert [r["world"] for r in ranks] == [2, 2] and all(r["steps"] == 6 for r in ranks)
+    planned = [set(r["planned_cpus"]) for r in ranks]
+    assert all(set(r["cpus"]) == set(r["planned_cpus"]) for r in ranks)  # pinned to what the plan says
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert not planned[0] & planned[1]  # two ranks on one machine: disjoint CPU sets
+    assert ranks[0]["device_bytes"] == ranks[1]["device_bytes"]  # each half of the DRAM share
+    assert all(r["dirs"] == [str(tmp_path / "ssd")] for r in ranks)
+
+
+def test_fit_with_storage_auto_logs_the_plan(tmp_path, in_process):
+    import os
+
+    before = os.sched_getaffinity(0)  # the fit pins this process to the plan's CPUs
+    try:
+        in_process(["fit", "--config", "configs/out_of_core.yaml", "--trainer.max_steps", "3",
+                    "--trainer.callbacks.stop_at_ssd_bytes", "null", "--model.num_embeddings", "100000",
+                    "--data.batch_size", "256", "--data.num_workers", "0",
+                    "--model.storage", '{"ssd_dirs": ["' + str(tmp_path / "ssd") + '"], "reserve_bytes": 0}',
+                    "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
+                    "--trainer.enable_progress_bar", "false"])
+    finally:
+        os.sched_setaffinity(0, before)
+    [run] = (tmp_path / "runs" / "out_of_core").iterdir()
+    events = EventAccumulator(str(run), size_guidance={"tensors": 0})
+    events.Reload()
+    assert "placement_plan/text_summary" in events.Tags()["tensors"]
+    text = events.Tensors("placement_plan/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "estimated step" in text and "t_C26" in text and str(tmp_path / "ssd") in text

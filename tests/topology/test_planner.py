@@ -1,0 +1,163 @@
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ctr_lightning.embedding import RowWiseAdagrad, SparseAdam, TieredEmbeddingBagCollection
+from ctr_lightning.topology import Machine, ModelShape, PlanError, PlanOptions, TableAccess, plan
+from ctr_lightning.topology.planner import SSD_OVERHEAD
+
+MACHINES = Path(__file__).parent / "machines"
+
+
+def _tables(sizes, dim=128):
+    return [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{i}"])
+            for i, n in enumerate(sizes)]
+
+
+def _shape(sizes, dim=128, batch=2048, optimizer=RowWiseAdagrad(), k=1):
+    return ModelShape.dlrm(_tables(sizes, dim), optimizer, batch, 13, (512, 256), (1024, 1024, 512, 256, 1), k=k)
+
+
+def _shared_prefix(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _check_capacities(p, machine):
+    """Every rank's tables within its budgets, and the budgets within the machine's free memory."""
+    for r in p.ranks:
+        held = [t for t in p.tables if t.sharding.kind == "row_wise" or t.sharding.owner == r.rank]
+        assert sum(t.device_rows * t.row_bytes for t in held) <= r.device_bytes
+        assert sum(t.host_rows * t.row_bytes for t in held) <= r.host_bytes
+        assert sum(t.ssd_rows * t.row_bytes for t in held) * SSD_OVERHEAD <= r.ssd_bytes
+        if r.gpu is not None:
+            assert r.device_bytes <= machine.gpus[r.gpu].free_bytes
+    for node in machine.numa_nodes:
+        dram = [r.host_bytes if r.gpu is not None else r.device_bytes for r in p.ranks
+                if r.numa_node == node.id and r.node == 0]
+        assert sum(dram) <= node.free_bytes
+    for t in p.tables:
+        per_rank = -(-t.rows // (p.world_size if t.sharding.kind == "row_wise" else 1))
+        assert t.device_rows + t.host_rows + t.ssd_rows == per_rank
+
+
+def test_dgx_a100_ranks_sit_next_to_their_gpu_nic_and_drive():
+    machine = Machine.load(MACHINES / "dgx_a100.json")
+    shape = _shape([40_000_000, 3_000_000, 10_000, 500] * 6 + [40_000_000, 3_000_000])
+    p = plan(machine, shape)
+    assert p.world_size == 8 and p.accelerator == "gpu"
+    assert [r.gpu for r in p.ranks] == list(range(8))
+    cpus = [c for r in p.ranks for c in r.cpus]
+    assert len(cpus) == len(set(cpus)) == 128  # disjoint: the four GPU nodes, 32 CPUs each
+    for r in p.ranks:
+        gpu = machine.gpus[r.gpu]
+        assert r.numa_node == gpu.numa_node
+        node_cpus = next(n.cpus for n in machine.numa_nodes if n.id == r.numa_node)
+        assert set(r.cpus) <= set(node_cpus)
+        assert any(c - 128 in r.cpus for c in r.cpus if c >= 128)  # whole cores: both threads of each
+        nic = next(n for n in machine.nics if n.name == r.nic)
+        assert nic.numa_node == gpu.numa_node and _shared_prefix(nic.pcie_path, gpu.pcie_path) >= 2  # its switch
+        drive = next(d for d, fs in machine.file_systems() if r.ssd_dir.startswith(fs.mount_point + "/"))
+        assert drive.numa_node == gpu.numa_node and _shared_prefix(drive.pcie_path, gpu.pcie_path) >= 2
+    assert len({r.nic for r in p.ranks}) == 8  # one compute NIC per GPU
+    assert len({r.ssd_dir for r in p.ranks}) == 4  # every data drive used
+    assert p.intra_groups == ((0, 1, 2, 3, 4, 5, 6, 7),)
+    _check_capacities(p, machine)
+    assert "estimated step" in p.to_text() and "mlx5_0" in p.to_text()
+
+
+def test_two_dgx_nodes_with_kstep_send_less_across_nodes():
+    machine = Machine.load(MACHINES / "dgx_a100.json")
+    sizes = [40_000_000, 3_000_000, 10_000, 500] * 6 + [40_000_000, 3_000_000]
+    sync = plan(machine, _shape(sizes), options=PlanOptions(num_nodes=2, sharding="row_wise"))
+    kstep = plan(machine, _shape(sizes, k=16), options=PlanOptions(num_nodes=2, sharding="row_wise"))
+    assert sync.world_size == 16 and [r.node for r in sync.ranks] == [0] * 8 + [1] * 8
+    assert sync.step_estimate.link_bytes["inter-node"] > 0
+    assert kstep.step_estimate.link_bytes["inter-node"] < sync.step_estimate.link_bytes["inter-node"]
+    _check_capacities(sync, machine)
+
+
+def test_two_socket_cpu_server_one_rank_per_socket():
+    machine = Machine.load(MACHINES / "cpu_2socket.json")
+    p = plan(machine, _shape([40_000_000, 3_000_000, 10_000, 500] * 6), options=PlanOptions(ranks_per_node=2))
+    assert [r.numa_node for r in p.ranks] == [0, 1] and all(r.gpu is None for r in p.ranks)
+    for r, node in zip(p.ranks, machine.numa_nodes):
+        assert r.cpus == node.cpus
+        assert next(n for n in machine.nics if n.name == r.nic).numa_node == node.id
+        drive = max(((d, fs) for d, fs in machine.file_systems() if r.ssd_dir.startswith(fs.mount_point.rstrip("/") + "/")),
+                    key=lambda x: len(x[1].mount_point))[0]
+        assert drive.numa_node == node.id
+        assert r.host_bytes == 0  # on a CPU the compute tier is DRAM already
+    _check_capacities(p, machine)
+
+
+def test_vm_plan_drives_a_real_collection(tmp_path):
+    """The plan's sharding and storage build a working TieredEmbeddingBagCollection."""
+    machine = Machine.load(MACHINES / "vm_1socket.json")
+    shape = ModelShape.dlrm(_tables([2000, 500], dim=8), SparseAdam(), 64, 13, (16,), (16, 1))
+    p = plan(machine, shape, options=PlanOptions(device_bytes=2000 * 40, ssd_dirs=(str(tmp_path),)))
+    assert p.ranks[0].cpus == (0, 1) and p.ranks[0].ssd_dir == str(tmp_path)
+    _check_capacities(p, machine)
+    assert sum(t.ssd_rows for t in p.tables) > 0  # the budget holds 2,000 of 2,500 rows
+    ebc = TieredEmbeddingBagCollection(_tables([2000, 500], dim=8), storage=p.storage(0), sharding=p.sharding())
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.arange(400) % 2500, torch.ones(400, dtype=torch.int32))
+    out = ebc(kjt)
+    assert out.values().shape == (200, 16)
+
+
+def test_skew_aware_split_serves_more_lookups_from_dram():
+    machine = Machine.load(MACHINES / "vm_1socket.json")
+    shape = _shape([1_000_000, 1_000_000], dim=64, batch=4096, optimizer=SparseAdam())
+    access = {"t0": TableAccess.zipf(1_000_000, 1.2), "t1": TableAccess.zipf(1_000_000, 0.3)}
+    budget = 600_000 * 768  # 30% of the rows
+    options = PlanOptions(device_bytes=budget, ssd_dirs=("/",))
+    aware = plan(machine, shape, access, options)
+    uniform = plan(machine, shape, access, dataclasses.replace(options, skew_aware=False))
+    u0, u1 = (t.device_rows for t in uniform.tables)
+    assert abs(u0 - u1) < 0.05 * u0  # by size, beyond each table's batches in flight
+    # Each byte goes where it serves the most lookups: the flat table's rows stay worth
+    # more for longer, the hot table's 30k hottest rows already serve 94% of its lookups.
+    hot, flat = aware.tables
+    assert hot.device_coverage > 0.9 and hot.device_rows < flat.device_rows
+    assert access["t0"].probs[access["t0"].ids.cumsum() > hot.device_rows][0] == pytest.approx(
+        access["t1"].probs[access["t1"].ids.cumsum() > flat.device_rows][0], rel=0.05)
+    served = [sum(t.device_coverage for t in p.tables) for p in (aware, uniform)]
+    assert served[0] > served[1]
+    assert aware.step_estimate.seconds < uniform.step_estimate.seconds
+    _check_capacities(aware, machine)
+
+
+def test_plans_that_cannot_fit_are_refused_with_their_numbers():
+    dgx = Machine.load(MACHINES / "dgx_a100.json")
+    vm = Machine.load(MACHINES / "vm_1socket.json")
+    with pytest.raises(PlanError, match=r"rank 0: its tables hold .* GiB.* has .* GiB for this rank"):
+        plan(vm, _shape([10**9]))
+    with pytest.raises(PlanError, match=r"16 ranks per node but the machine has 8 GPU"):
+        plan(dgx, _shape([1000]), options=PlanOptions(ranks_per_node=16))
+    with pytest.raises(PlanError, match="no GPU"):
+        plan(vm, _shape([1000]), options=PlanOptions(accelerator="gpu"))
+    read_only = dataclasses.replace(vm, drives=tuple(
+        dataclasses.replace(d, file_systems=tuple(dataclasses.replace(fs, writable=False) for fs in d.file_systems))
+        for d in vm.drives))
+    with pytest.raises(PlanError, match=r"do not fit in the memory tiers and no writable SSD directory"):
+        plan(read_only, _shape([200_000_000]))
+    with pytest.raises(PlanError, match=r"ssd_dir '/x' : file system / is not writable|is not writable"):
+        plan(read_only, _shape([1000]), options=PlanOptions(ssd_dirs=("/x",)))
+
+
+def test_a_budget_below_the_batches_in_flight_is_refused():
+    vm = Machine.load(MACHINES / "vm_1socket.json")
+    shape = _shape([1_000_000, 1_000_000], dim=64, batch=4096, optimizer=SparseAdam())
+    with pytest.raises(PlanError, match=r"smaller than the rows the batches in flight touch .* 2 batches of 4096"):
+        plan(vm, shape, options=PlanOptions(device_bytes=1000 * 768, ssd_dirs=("/",)))
+    for skew_aware in (True, False):  # just above: each table gets at least its batches' rows
+        p = plan(vm, shape, options=PlanOptions(device_bytes=20_000 * 768, ssd_dirs=("/",), skew_aware=skew_aware))
+        assert all(t.device_rows >= 2 * 2400 for t in p.tables)
