@@ -2,8 +2,9 @@
 and data, the cost model's predicted step against a measured one, in ONE run.
 
 The model: a DLRM (torchrec's, on TieredEmbeddingBagCollection, dense Adam) with 8 tables
-of dim 32 and Adam rows (384 bytes), each table's ids Zipf-skewed by its own exponent
-(1.4 down to 0.3), batch 2048 a rank. First the rates of this machine are measured
+of dim 32 and Adam rows (384 bytes), as in ad logs: four large tables with hot heads (2x
+``--rows`` each, Zipf 1.3 to 1.05) and four small ones used about evenly (a quarter of
+``--rows``, Zipf 0.6 to 0.3), batch 2048 a rank. First the rates of this machine are measured
 (``ctr_lightning.topology.calibration``: a DLRM step's fixed and per-row costs on
 100k-row tables, the SSD tier's cost per row read with the page cache dropped, gloo
 all-to-alls between two ranks on 127.0.0.1); then each candidate is planned
@@ -43,20 +44,28 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from ctr_lightning.embedding import SparseAdam
 from ctr_lightning.topology import ModelShape, PlanOptions, TableAccess, discover, plan
+from ctr_lightning.topology.auto_placement import set_threads
 from ctr_lightning.topology.calibration import (dlrm_step, drop_cached_pages, fill_tables, make_batch,
                                                 measure_links, measure_rates)
 
-SKEWS = (1.4, 1.25, 1.1, 1.0, 0.9, 0.8, 0.6, 0.3)
+# As in ad logs: a few large tables with hot heads (ads, users, queries), several small
+# ones whose values are used about evenly. (share of --rows, Zipf exponent) per table.
+TABLES = ((2.0, 1.3), (2.0, 1.2), (2.0, 1.1), (2.0, 1.05), (0.25, 0.6), (0.25, 0.5), (0.25, 0.4), (0.25, 0.3))
+SKEWS = [s for _, s in TABLES]
 DIM = 32
 
 
+def table_rows(rows: int) -> list[int]:
+    return [int(rows * share) for share, _ in TABLES]
+
+
 def model_shape(rows: int, batch: int) -> ModelShape:
-    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=rows, feature_names=[f"f{i}"])
-              for i in range(len(SKEWS))]
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
+              for i, n in enumerate(table_rows(rows))]
     return ModelShape.dlrm(tables, SparseAdam(lr=1e-3), batch, 13, (64,), (128, 64, 1))
 
 
-def run_placement(shape: ModelShape, rows: int, storage: object, sharding: object, steps: int, cold: str | None,
+def run_placement(shape: ModelShape, rows: list[int], storage: object, sharding: object, steps: int, cold: str | None,
                   seed: int) -> dict[str, float]:
     """Fill, warm up, time ``steps`` steps of the model placed as given; median seconds a step."""
     ebc, step = dlrm_step(shape, storage, sharding)
@@ -78,15 +87,17 @@ def run_placement(shape: ModelShape, rows: int, storage: object, sharding: objec
     return {"seconds": float(np.median(times)), "ssd_rows": float(np.median(reads))}
 
 
-def _two_ranks(rank: int, port: int, shape: ModelShape, rows: int, steps: int, plans: dict, out: str) -> None:
+def _two_ranks(rank: int, port: int, shape: ModelShape, rows: list[int], steps: int, plans: dict, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    set_threads(1)  # two ranks on two cores
     dist.init_process_group("gloo", rank=rank, world_size=2)
     result: dict = {}
+    alone = [dist.new_group([r]) for r in range(2)]
+    # One thread a rank while the other rank computes too: the rates the candidates meet.
+    rates = measure_rates(shape, threads=1, rows=plans["rows"], process_group=alone[rank])
+    links = measure_links(rates, shape)
     if rank == 0:
-        result["links"] = dataclasses.asdict(measure_links(plans["rates"]))
-    else:
-        measure_links(plans["rates"])
+        result["links"] = dataclasses.asdict(links)
     for name, (sharding, storage) in plans["runs"].items():
         dist.barrier()
         result[name] = run_placement(shape, rows, storage, sharding, steps, None, seed=10 + rank)
@@ -113,18 +124,19 @@ def main() -> None:
 def run(args: argparse.Namespace, work: str) -> None:
     machine = discover()
     shape = model_shape(args.rows, args.batch)
-    access = {t.name: TableAccess.zipf(args.rows, s) for t, s in zip(shape.tables, SKEWS)}
-    total = sum(args.rows * shape.row_bytes(t) for t in shape.tables)
-    print(f"{len(SKEWS)} tables x {args.rows:,} rows, dim {DIM}, Adam ({shape.row_bytes(shape.tables[0])} B a row, "
-          f"{total / 2**20:.0f} MiB), batch {args.batch} a rank, skews {SKEWS}", flush=True)
+    rows = table_rows(args.rows)
+    access = {t.name: TableAccess.zipf(t.num_embeddings, s) for t, s in zip(shape.tables, SKEWS)}
+    total = sum(t.num_embeddings * shape.row_bytes(t) for t in shape.tables)
+    print(f"{len(SKEWS)} tables of {rows} rows, Zipf exponents {SKEWS}, dim {DIM}, Adam "
+          f"({shape.row_bytes(shape.tables[0])} B a row, {total / 2**20:.0f} MiB), batch {args.batch} a rank",
+          flush=True)
 
     start = time.perf_counter()
-    rates2 = measure_rates(shape, threads=2, ssd_dir=work)
-    rates1 = measure_rates(shape, threads=1)
-    print(f"calibration ({time.perf_counter() - start:.0f} s): 2 threads: fixed {shape.dense_flops_per_example * args.batch / rates2.dense_flops * 1e3:.1f} ms, "
-          f"{rates2.row_op_s * 1e9:.0f} ns a row, SSD {1e6 / rates2.ssd_read_iops:.1f} us a row read; "
-          f"1 thread: fixed {shape.dense_flops_per_example * args.batch / rates1.dense_flops * 1e3:.1f} ms, "
-          f"{rates1.row_op_s * 1e9:.0f} ns a row", flush=True)
+    rates2 = measure_rates(shape, threads=2, ssd_dir=work, rows=args.rows)
+    print(f"calibration, 1 rank of 2 threads ({time.perf_counter() - start:.0f} s): fixed "
+          f"{shape.dense_flops_per_example * args.batch / rates2.dense_flops * 1e3:.1f} ms a step, "
+          f"{rates2.row_op_s * 1e9:.0f} ns a distinct row, SSD {1e6 / rates2.ssd_read_iops:.0f} us a random read "
+          f"of {rates2.ssd_read_unit / 1024:.0f} KiB", flush=True)
 
     budget = int(0.1 * total)
     one = {
@@ -143,22 +155,27 @@ def run(args: argparse.Namespace, work: str) -> None:
         p = plans[name]
         cold = p.ranks[0].ssd_dir if any(t.ssd_rows for t in p.tables) else None
         storage = p.storage(0) if cold else None
-        results[name] = run_placement(shape, args.rows, storage, p.sharding(), args.steps, cold, seed=10)
+        results[name] = run_placement(shape, rows, storage, p.sharding(), args.steps, cold, seed=10)
         print(f"  ran {name}: {results[name]['seconds'] * 1e3:.1f} ms/step", flush=True)
 
     port = 29500 + os.getpid() % 1000
     out = os.path.join(work, "two")
-    links_probe = {"rates": rates1, "runs": {}}
+    links_probe = {"rows": args.rows, "runs": {}}
     for name, options in two.items():
-        plans[name] = plan(machine, shape, access, options, rates=rates1)
+        plans[name] = plan(machine, shape, access, options, rates=rates2)  # for its sharding
         links_probe["runs"][name] = (plans[name].sharding(), None)
-    mp.spawn(_two_ranks, args=(port, shape, args.rows, args.steps, links_probe, out), nprocs=2, join=True)
+    mp.spawn(_two_ranks, args=(port, shape, rows, args.steps, links_probe, out), nprocs=2, join=True)
     ranks = [json.load(open(f"{out}.{r}")) for r in range(2)]
     from ctr_lightning.topology import HardwareRates
 
     rates_links = HardwareRates(**ranks[0]["links"])
-    print(f"  gloo all-to-all on 127.0.0.1: {rates_links.intra_node_bw / 1e9:.2f} GB/s, "
-          f"{rates_links.collective_latency_s * 1e6:.0f} us a collective", flush=True)
+    print(f"  calibration, 2 ranks of 1 thread: fixed "
+          f"{shape.dense_flops_per_example * args.batch / rates_links.dense_flops * 1e3:.1f} ms a step, "
+          f"{rates_links.row_op_s * 1e9:.0f} ns a distinct row; "
+          f"gloo all-to-all on 127.0.0.1: {rates_links.intra_node_bw / 1e9:.2f} GB/s, "
+          f"{rates_links.collective_latency_s * 1e6:.0f} us a collective (a sharded step's fixed cost / 5), "
+          f"{rates_links.example_op_s * 1e9:.0f} ns an example's feature routed, "
+          f"{rates_links.bag_op_s * 1e9:.0f} ns a bag pooled for the other rank", flush=True)
     for name, options in two.items():
         plans[name] = plan(machine, shape, access, options, rates=rates_links)
         results[name] = {"seconds": max(r[name]["seconds"] for r in ranks), "ssd_rows": 0.0}
@@ -173,7 +190,7 @@ def run(args: argparse.Namespace, work: str) -> None:
     for name, p in plans.items():
         pred, meas = p.step_estimate.seconds, results[name]["seconds"]
         errors[name] = pred / meas
-        ssd = p.step_estimate.link_bytes["ssd read"] / 4096
+        ssd = p.step_estimate.ssd_rows
         print(f"| {name} | {pred * 1e3:.1f} | {meas * 1e3:.1f} | {pred / meas:.2f} | {p.examples_per_step / pred:,.0f} "
               f"| {p.examples_per_step / meas:,.0f} | {ssd:,.0f} / {results[name]['ssd_rows']:,.0f} |")
     ex_pred = {n: p.examples_per_step / p.step_estimate.seconds for n, p in plans.items()}

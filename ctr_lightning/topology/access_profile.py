@@ -83,6 +83,31 @@ class TableAccess:
         touched = -np.expm1(lookups * np.log1p(-np.minimum(self.probs, 1 - 1e-12)))
         return float((beyond * touched).sum())
 
+    def lru_misses(self, lookups: float, cache_rows: float) -> float:
+        """Expected distinct rows among ``lookups`` that an LRU cache of ``cache_rows`` rows
+        does not hold, by Che's approximation: a row stays cached for a characteristic
+        time ``T`` (in lookups) after its last use, with ``T`` such that the expected rows
+        used within ``T`` fill the cache."""
+        if lookups <= 0:
+            return 0.0
+        if cache_rows >= self.num_ids:
+            return 0.0
+        p = np.minimum(self.probs, 1 - 1e-12)
+        if cache_rows <= 0:
+            return self.unique(lookups)
+
+        def filled(t: float) -> float:
+            return float((self.ids * -np.expm1(-p * t)).sum())
+
+        lo, hi = 0.0, 1.0
+        while filled(hi) < cache_rows:
+            hi *= 2
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if filled(mid) < cache_rows else (lo, mid)
+        touched = -np.expm1(lookups * np.log1p(-p))
+        return float((self.ids * touched * np.exp(-p * hi)).sum())
+
     def rows_above(self, share: float) -> int:
         """How many rows serve at least ``share`` of the lookups each."""
         return int(self.ids[self.probs >= share].sum())

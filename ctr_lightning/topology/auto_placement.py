@@ -29,10 +29,24 @@ class Placement:
     storage: dict[str, StorageConfig]
 
     def bind_cpus(self) -> tuple[int, ...]:
-        """Pin this process (and the DataLoader workers it starts later) to its CPUs."""
+        """Pin this process (and the DataLoader workers it starts later) to its CPUs, with
+        as many compute threads as it has CPUs."""
         if self.rank.cpus:
             os.sched_setaffinity(0, self.rank.cpus)
+            set_threads(len(self.rank.cpus))
         return self.rank.cpus
+
+
+def set_threads(n: int) -> None:
+    """``n`` threads for torch's and numba's parallel kernels alike: ranks that share cores
+    and each start a thread per core wait on each other's spinning threads."""
+    torch.set_num_threads(n)
+    try:
+        import numba
+
+        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))
+    except ImportError:
+        pass
 
 
 def place_tables(tables: Sequence[EmbeddingBagConfig], optimizer: SparseOptimizer,
@@ -71,14 +85,5 @@ def place_tables(tables: Sequence[EmbeddingBagConfig], optimizer: SparseOptimize
     mine = result.ranks[local_rank]
     if device.type == "cuda" and device.index is not None:
         mine = next((r for r in result.ranks if r.node == 0 and r.gpu == device.index), mine)
-    storage = {}
-    for t in result.tables:
-        if mine.ssd_dir is not None:
-            # Bounded, with the SSD below: a table that grows past its expected rows spills.
-            storage[t.name] = StorageConfig(device_rows=max(t.device_rows, 1), host_rows=t.host_rows,
-                                            ssd_dir=mine.ssd_dir)
-        elif t.host_rows:
-            storage[t.name] = StorageConfig(device_rows=max(t.device_rows, 1))
-        else:
-            storage[t.name] = StorageConfig()
+    storage = {t.name: t.storage(mine.ssd_dir) for t in result.tables}
     return Placement(result, mine, storage)

@@ -5,10 +5,11 @@ ranks. Published figures (``HardwareRates.published``) describe machines not her
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ctr_lightning.topology.auto_placement import set_threads
 from ctr_lightning.topology.cost_model import HardwareRates
 from ctr_lightning.topology.planner import ModelShape
 
@@ -34,7 +36,8 @@ def zipf_ids(rng: np.random.Generator, rows: int, n: int, exponent: float) -> np
     return (ranks * 2654435761) % rows
 
 
-def dlrm_step(shape: ModelShape, storage: object, sharding: object = "row_wise", seed: int = 0) -> tuple:
+def dlrm_step(shape: ModelShape, storage: object, sharding: object = "row_wise", seed: int = 0,
+              process_group: dist.ProcessGroup | None = None) -> tuple:
     """A DLRM of ``shape`` (torchrec's, on a TieredEmbeddingBagCollection) and a function
     that trains it one step on ``(dense, kjt, labels)`` with dense Adam."""
     from torchrec.models.dlrm import DLRM
@@ -43,9 +46,10 @@ def dlrm_step(shape: ModelShape, storage: object, sharding: object = "row_wise",
 
     dims = shape.dlrm_layers
     ebc = TieredEmbeddingBagCollection(list(shape.tables), storage=storage, optimizer=shape.optimizer, seed=seed,
-                                       sharding=sharding)
+                                       sharding=sharding, process_group=process_group)
     torch.manual_seed(seed)
-    model = DLRM(embedding_bag_collection=ebc, dense_in_features=dims[0], dense_arch_layer_sizes=list(dims[1]),
+    model = DLRM(embedding_bag_collection=ebc, dense_in_features=dims[0],
+                 dense_arch_layer_sizes=[*dims[1], shape.tables[0].embedding_dim],
                  over_arch_layer_sizes=list(dims[2]))
     sparse = {id(p) for p in ebc.parameters()}
     opt = torch.optim.Adam([p for p in model.parameters() if id(p) not in sparse], lr=1e-3)
@@ -60,28 +64,35 @@ def dlrm_step(shape: ModelShape, storage: object, sharding: object = "row_wise",
     return ebc, step
 
 
-def make_batch(rng: np.random.Generator, shape: ModelShape, rows: int, exponents: list[float],
+def make_batch(rng: np.random.Generator, shape: ModelShape, rows: int | Sequence[int], exponents: Sequence[float],
                batch: int | None = None) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+    """A batch of ``shape``'s model: table i's ids Zipf(``exponents[i]``) over its ``rows[i]``."""
     b = batch or shape.batch_size
     keys = [f for t in shape.tables for f in t.feature_names]
-    ids = np.concatenate([zipf_ids(rng, rows, b, s) for s in exponents])
+    sizes = _per_table(rows, len(keys))
+    ids = np.concatenate([zipf_ids(rng, n, b, s) for n, s in zip(sizes, exponents)])
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.from_numpy(ids),
                                               lengths=torch.ones(len(keys) * b, dtype=torch.int32))
     return (torch.from_numpy(rng.standard_normal((b, shape.dlrm_layers[0]), dtype=np.float32)), kjt,
             torch.from_numpy((rng.random(b) < 0.25).astype(np.float32)))
 
 
-def fill_tables(step: Callable, shape: ModelShape, rows: int, seed: int = 1) -> None:
+def fill_tables(step: Callable, shape: ModelShape, rows: int | Sequence[int], seed: int = 1) -> None:
     """Touch every id of every table once (ids in order), so that timed steps create no row."""
     rng = np.random.default_rng(seed)
     b = shape.batch_size
     keys = [f for t in shape.tables for f in t.feature_names]
-    for start in range(0, rows, b):
-        ids = np.arange(start, start + b) % rows
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.from_numpy(np.tile(ids, len(keys))),
+    sizes = _per_table(rows, len(keys))
+    for start in range(0, max(sizes), b):
+        ids = np.concatenate([np.arange(start, start + b) % n for n in sizes])
+        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.from_numpy(ids),
                                                   lengths=torch.ones(len(keys) * b, dtype=torch.int32))
         step((torch.from_numpy(rng.standard_normal((b, shape.dlrm_layers[0]), dtype=np.float32)), kjt,
               torch.zeros(b)))
+
+
+def _per_table(rows: int | Sequence[int], n: int) -> list[int]:
+    return [rows] * n if isinstance(rows, int) else list(rows)
 
 
 def drop_cached_pages(directory: str) -> None:
@@ -104,24 +115,27 @@ def _unique_rows(kjt: KeyedJaggedTensor) -> int:
 
 
 def measure_rates(shape: ModelShape, threads: int, ssd_dir: str | None = None, rows: int = 100_000,
-                  steps: int = 5, base: HardwareRates | None = None) -> HardwareRates:
+                  steps: int = 5, base: HardwareRates | None = None,
+                  process_group: dist.ProcessGroup | None = None) -> HardwareRates:
     """This machine's rates for one rank of ``threads`` threads, measured on ``shape``'s
     model with ``rows`` rows a table (all in memory), and with ``ssd_dir``, on the SSD tier
     with its pages dropped from the page cache after every step.
 
-    A step's time is fitted as ``fixed + a * lookups + b * distinct rows`` over batches of
-    several skews: ``fixed`` becomes the dense part, ``a`` the cost of an id, ``b`` of a
-    row (memory traffic included, so ``device_bw`` is left out of the sum).
+    A step's time is fitted as ``fixed + b * distinct rows`` over batches of several skews
+    (the ids a step pools are the same in each): ``fixed`` becomes the dense part, ``b``
+    the cost of a row (memory traffic included, so ``device_bw`` is left out of the sum).
+    Under torch.distributed, pass a ``process_group`` of this rank alone, so that the
+    collection is not sharded.
 
     Example::
 
         rates = measure_rates(shape, threads=2, ssd_dir="runs/calibrate")
         plan(machine, shape, rates=rates)
     """
-    torch.set_num_threads(threads)
+    set_threads(threads)
     rng = np.random.default_rng(0)
     base = base or HardwareRates.published("cpu")
-    ebc, step = dlrm_step(shape, None)
+    ebc, step = dlrm_step(shape, None, process_group=process_group)
     fill_tables(step, shape, rows)
     samples = []
     n = len(shape.tables)
@@ -151,31 +165,69 @@ def measure_rates(shape: ModelShape, threads: int, ssd_dir: str | None = None, r
     from ctr_lightning.embedding import StorageConfig
 
     with tempfile.TemporaryDirectory(dir=ssd_dir) as d:
-        ebc, step = dlrm_step(shape, StorageConfig(device_rows=budget_rows, host_rows=0, ssd_dir=d))
+        ebc, step = dlrm_step(shape, StorageConfig(device_rows=budget_rows, host_rows=0, ssd_dir=d),
+                              process_group=process_group)
         fill_tables(step, shape, rows)
-        batches = [make_batch(rng, shape, rows, [1.1] * n) for _ in range(steps + 3)]
-        for batch in batches[:3]:
-            step(batch)
-        costs = []
-        for batch in batches[3:]:
-            drop_cached_pages(d)
-            before = ebc.tier_stats()["ssd_hits"]
-            start = time.perf_counter()
-            step(batch)
-            elapsed = time.perf_counter() - start
-            read = ebc.tier_stats()["ssd_hits"] - before
-            if read:
-                costs.append((elapsed - fixed - row_op * _unique_rows(batch[1])) / read)
+        # Two read densities on the same files: their costs give both the cost of a
+        # random read and how many bytes one brings in (rows near a read come free).
+        points = []
+        for skew in (1.1, 1.4):
+            batches = [make_batch(rng, shape, rows, [skew] * n) for _ in range(steps + 3)]
+            for batch in batches[:3]:
+                step(batch)
+            seconds, reads = [], []
+            for batch in batches[3:]:
+                drop_cached_pages(d)
+                before = ebc.tier_stats()["ssd_hits"]
+                start = time.perf_counter()
+                step(batch)
+                seconds.append(time.perf_counter() - start - fixed - row_op * _unique_rows(batch[1]))
+                reads.append(ebc.tier_stats()["ssd_hits"] - before)
+            points.append((max(float(np.median(seconds)), 1e-6), float(np.median(reads))))
+        file_bytes = ebc.storage_stats()["ssd_bytes"]
         ebc.stop_prefetch()
         del ebc
-    per_row = max(float(np.median(costs)), 1e-9) if costs else 1e-9
-    return dataclasses.replace(rates, ssd_read_iops=1 / per_row, ssd_read_bw=INF, ssd_write_bw=INF)
+    (t1, r1), (t2, r2) = points
+    windows = _windows(t1, r1, t2, r2)
+    unit = int(min(max(file_bytes / windows, 4096), file_bytes)) if windows else 4096
+    units = windows * -np.expm1(-r1 / windows) if windows else r1
+    return dataclasses.replace(rates, ssd_read_iops=units / t1, ssd_read_bw=INF, ssd_write_bw=INF,
+                               ssd_read_unit=unit)
 
 
-def measure_links(rates: HardwareRates, group: dist.ProcessGroup | None = None, reps: int = 5) -> HardwareRates:
-    """``rates`` with the bandwidth and latency of all-to-alls between the ranks of ``group``
-    (collective), as the links between ranks of one node."""
-    world = dist.get_world_size(group)
+def _windows(t1: float, r1: float, t2: float, r2: float) -> float | None:
+    """W with t1 / t2 = (1 - exp(-r1 / W)) / (1 - exp(-r2 / W)); None when the times say
+    every read costs the same (no W fits: units of one page)."""
+    if r1 <= 0 or r2 <= 0 or r1 == r2:
+        return None
+    target = t1 / t2
+
+    def ratio(w: float) -> float:
+        return float(np.expm1(-r1 / w) / np.expm1(-r2 / w))
+
+    lo, hi = 1e-3 * min(r1, r2), 1e6 * max(r1, r2)  # ratio runs from 1 (small W) to r1 / r2 (large W)
+    if not min(ratio(lo), ratio(hi)) < target < max(ratio(lo), ratio(hi)):
+        return None
+    for _ in range(200):
+        mid = math.sqrt(lo * hi)
+        if (ratio(mid) - target) * (ratio(lo) - target) > 0:
+            lo = mid
+        else:
+            hi = mid
+    return math.sqrt(lo * hi)
+
+
+def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGroup | None = None,
+                  reps: int = 5) -> HardwareRates:
+    """``rates`` with the links between the ranks of ``group`` (collective): the bandwidth
+    of all-to-alls; as ``collective_latency_s`` the fixed cost a sharded step pays per
+    collective (torchrec's all-to-alls of ids, lengths and pooled rows, their size
+    exchanges, the ranks waiting on each other), from a row-wise ``shape`` model on 16
+    examples against the same model alone; as ``example_op_s`` the cost of routing an
+    example's feature to its owner and back (table-wise on 512 examples), and as
+    ``bag_op_s`` of each bag a row-wise shard pools for another rank's example (row-wise
+    on 512 examples)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     results = []
     for nbytes in (1 << 12, 1 << 23):
         x = torch.zeros(nbytes // 4 // world * world)
@@ -190,5 +242,40 @@ def measure_links(rates: HardwareRates, group: dist.ProcessGroup | None = None, 
         results.append((x.numel() * 4 * (world - 1) / world, float(np.median(times))))
     (b0, t0), (b1, t1) = results
     bw = (b1 - b0) / max(t1 - t0, 1e-9)
-    latency = max(t0 - b0 / bw, 1e-6)
-    return dataclasses.replace(rates, intra_node_bw=bw, collective_latency_s=latency)
+    alone = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+    rng = np.random.default_rng(rank)
+    seconds = {}
+    runs = (("local", 16, alone[rank], "row_wise"), ("row_wise", 16, group, "row_wise"),
+            ("local", 512, alone[rank], "row_wise"), ("row_wise", 512, group, "row_wise"),
+            ("table_wise", 512, group, "table_wise"))
+    for name, batch_size, own, sharding in runs:
+        tiny = dataclasses.replace(shape, batch_size=batch_size)
+        batches = [make_batch(rng, tiny, 10_000, [1.0] * len(tiny.tables)) for _ in range(reps + 2)]
+        _, step = dlrm_step(tiny, None, sharding, process_group=own)
+        for batch in batches[:2]:
+            step(batch)
+        times = []
+        for batch in batches[2:]:
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            step(batch)
+            times.append(time.perf_counter() - start)
+        seconds[name, batch_size] = float(np.median(times))
+    collectives = 5  # as the cost model counts a sharded step's: ids, lengths, pooled rows, their grads, dense
+    latency = max((seconds["row_wise", 16] - seconds["local", 16]) / collectives, 1e-6)
+    # At 512 examples: table-wise, each rank pools its own tables' bags for all ranks (as
+    # many bags as alone) and routes its examples' ids and pooled rows; row-wise pools
+    # (world - 1) * 512 bags a feature more. What is left after bytes and latency is per
+    # example and feature routed, and per bag pooled for another rank.
+    features = sum(len(t.feature_names) for t in shape.tables)
+    dim = shape.tables[0].embedding_dim
+    b = 512
+    ids = b * features * 8 * (world - 1) / world
+    table_wise = seconds["table_wise", b] - seconds["local", b] - collectives * latency - (
+        b * dim * 4 * features * 2 * (world - 1) / world + ids) / bw
+    example = max(table_wise / (b * features), 0.0)
+    row_wise = seconds["row_wise", b] - seconds["local", b] - collectives * latency - (
+        2 * (world - 1) * b * dim * 4 * features + ids) / bw - example * b * features
+    bag = max(row_wise / ((world - 1) * b * features), 0.0)
+    return dataclasses.replace(rates, intra_node_bw=bw, collective_latency_s=latency, example_op_s=example,
+                               bag_op_s=bag)

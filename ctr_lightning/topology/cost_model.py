@@ -4,6 +4,7 @@ and tier moves and the rates of the hardware."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,9 @@ class HardwareRates:
     row_op_s: float
     lookup_op_s: float
     step_overhead_s: float = 0.0  # per step, whatever the size: kernel launches, Python, the data's hand-over
+    ssd_read_unit: int = SSD_PAGE  # bytes a random read of a row brings in (the page, or what the drive reads ahead)
+    bag_op_s: float = 0.0  # per bag a rank pools for another rank's example (row-wise partial sums)
+    example_op_s: float = 0.0  # per example and feature a sharded step routes to its owner and back
 
     @staticmethod
     def published(kind: str) -> HardwareRates:
@@ -111,6 +115,7 @@ class TableLoad:
     ssd_misses: float  # rows in neither the device nor the host tier
     row_bytes: int  # weights and optimizer state
     dim: int
+    ssd_file_bytes: float = 0.0  # this table's rows in the SSD tier's files, garbage included
 
 
 @dataclass(frozen=True)
@@ -125,21 +130,32 @@ class StepEstimate:
     seconds: float
     parts: dict[str, float]
     link_bytes: dict[str, float]
+    ssd_rows: float = 0.0  # rows read from SSD
 
 
 def estimate_step(rates: HardwareRates, tables: Sequence[TableLoad], dense_flops: float,
-                  intra_bytes: float, inter_bytes: float, collectives: int, host_tier: bool) -> StepEstimate:
+                  intra_bytes: float, inter_bytes: float, collectives: int, host_tier: bool,
+                  extra_bags: float = 0.0, routed: float = 0.0) -> StepEstimate:
     """Price one rank's step: dense compute, the tables' lookups and optimizer updates,
     rows moved between tiers, and the bytes its collectives send over each link.
 
     Every part is paid in turn: on the machines this project targets the parts of a step
     are sequential except for what a prefetcher hides, which the estimate does not credit.
+    ``extra_bags`` are the bags this rank pools beyond one per example and feature of its
+    own batch (a row-wise shard pools every rank's examples); ``routed`` the examples times
+    features whose ids a sharded step sends to their owners.
     """
     device = sum(t.unique_rows * t.row_bytes * 2 + t.lookups * t.dim * 4 * 2 for t in tables)
     table_ops = sum(t.lookups * rates.lookup_op_s + t.unique_rows * rates.row_op_s for t in tables)
     h2d = sum(t.device_misses * t.row_bytes * 2 for t in tables) if host_tier else 0.0
     ssd_rows = sum(t.ssd_misses for t in tables)
-    ssd_read = ssd_rows * SSD_PAGE
+    # Rows read at random from files of F bytes in units of u bytes: the units touched,
+    # W (1 - exp(-R / W)) with W = F / u, fewer than the rows when units hold several.
+    units = ssd_rows
+    windows = sum(t.ssd_file_bytes for t in tables) / rates.ssd_read_unit
+    if windows >= 1 and ssd_rows:
+        units = min(ssd_rows, windows * -math.expm1(-ssd_rows / windows))
+    ssd_read = units * rates.ssd_read_unit
     # Every row read in evicts one, written to the log, which cleaning rewrites about once more.
     ssd_write = sum(t.ssd_misses * t.row_bytes for t in tables) * 1.5
     parts = {
@@ -147,11 +163,12 @@ def estimate_step(rates: HardwareRates, tables: Sequence[TableLoad], dense_flops
         "dense": dense_flops / rates.dense_flops,
         "tables": table_ops + device / rates.device_bw,
         "host->device": h2d / rates.host_to_device_bw,
-        "ssd": (max(ssd_rows / rates.ssd_read_iops, ssd_read / rates.ssd_read_bw)
+        "ssd": (max(units / rates.ssd_read_iops, ssd_read / rates.ssd_read_bw)
                 + ssd_write / rates.ssd_write_bw),
         "comm": (intra_bytes / rates.intra_node_bw + inter_bytes / rates.inter_node_bw
-                 + collectives * rates.collective_latency_s),
+                 + collectives * rates.collective_latency_s + max(extra_bags, 0.0) * rates.bag_op_s
+                 + routed * rates.example_op_s),
     }
     links = {"device": device, "host->device": h2d, "ssd read": ssd_read, "ssd write": ssd_write,
              "intra-node": intra_bytes, "inter-node": inter_bytes}
-    return StepEstimate(sum(parts.values()), parts, links)
+    return StepEstimate(sum(parts.values()), parts, links, ssd_rows)

@@ -34,8 +34,15 @@ class TablePlacement:
     host_coverage: float
 
     def storage(self, ssd_dir: str | None) -> StorageConfig:
-        return StorageConfig(device_rows=max(self.device_rows, 1), host_rows=self.host_rows,
-                             ssd_dir=ssd_dir if self.ssd_rows else None)
+        """This table's :class:`StorageConfig` on a rank whose SSD directory is ``ssd_dir``.
+
+        With an SSD directory the tiers stay bounded even when the rows fit, so that a
+        table growing past its expected rows spills to SSD instead of memory."""
+        if ssd_dir is not None:
+            return StorageConfig(device_rows=max(self.device_rows, 1), host_rows=self.host_rows, ssd_dir=ssd_dir)
+        if self.host_rows:
+            return StorageConfig(device_rows=max(self.device_rows, 1))
+        return StorageConfig()
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from ctr_lightning.topology.machine import Drive, FileSystem, Machine
 from ctr_lightning.topology.plan import Plan, PlanError, RankPlacement, TablePlacement
 
 SSD_OVERHEAD = 1.5  # the SSD log's files stay under 1.5x the live rows (issue 17)
+SSD_TYPICAL = 1.3  # and hold about 1.3x once cleaning runs
 
 
 @dataclass(frozen=True)
@@ -356,6 +357,12 @@ class _Pricing:
             self._unique[key] = self.access[table].unique(lookups, skip)
         return self._unique[key]
 
+    def misses(self, table: str, lookups: float, cache_rows: int) -> float:
+        key = (table, lookups, -1 - cache_rows)
+        if key not in self._unique:
+            self._unique[key] = self.access[table].lru_misses(lookups, cache_rows)
+        return self._unique[key]
+
     def price(self, sharding: Mapping[str, TableSharding]) -> tuple[tuple[TablePlacement, ...], tuple[StepEstimate, ...]]:
         shape, world = self.shape, self.world
         shards = {t.name: (world if sharding[t.name].kind == "row_wise" else 1) for t in shape.tables}
@@ -460,10 +467,12 @@ class _Pricing:
             global_lookups = b * world * acc.pooling
             if rank in holders[p.name]:
                 n = world if p.sharding.kind == "row_wise" else 1
+                # The tiers are LRU caches: their misses by Che's approximation.
                 loads.append(TableLoad(
                     p.name, global_lookups / n, self.unique(p.name, global_lookups) / n,
-                    self.unique(p.name, global_lookups, p.device_rows * n) / n,
-                    self.unique(p.name, global_lookups, (p.device_rows + p.host_rows) * n) / n, p.row_bytes, dim))
+                    self.misses(p.name, global_lookups, p.device_rows * n) / n,
+                    self.misses(p.name, global_lookups, (p.device_rows + p.host_rows) * n) / n, p.row_bytes, dim,
+                    p.ssd_rows * p.row_bytes * SSD_TYPICAL))
             if world == 1 or shape.sparse_sync != "step":
                 continue
             ids = b * acc.pooling * 8
@@ -487,8 +496,14 @@ class _Pricing:
         intra = sent * (1 - remote) + dense * (1 - remote)
         inter = sent * remote + dense * remote / k
         collectives = (4 if shape.sparse_sync == "step" else 1) + 1 if world > 1 else 0
+        bags = routed = 0.0
+        if world > 1 and shape.sparse_sync == "step":
+            features = {t.name: len(t.feature_names) for t in shape.tables}
+            bags = sum(b * world * features[p.name] for p in placements if rank in holders[p.name])
+            routed = b * sum(features.values())
+            bags -= routed
         return estimate_step(self.rates, loads, shape.dense_flops_per_example * b, intra, inter, collectives,
-                             host_tier=self.accelerator == "gpu")
+                             host_tier=self.accelerator == "gpu", extra_bags=bags, routed=routed)
 
 
 def _choose_sharding(shape: ModelShape, world: int, requested: str | Mapping[str, str],

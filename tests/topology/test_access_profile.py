@@ -17,6 +17,33 @@ def test_zipf_profile_matches_exact_sums():
     assert access.rows_above(p[99]) == pytest.approx(100, abs=1)
 
 
+def test_lru_misses_match_a_simulated_lru_cache():
+    from collections import OrderedDict
+
+    n, cache_rows, lookups = 20_000, 1_000, 256
+    p = np.arange(1, n + 1) ** -1.0
+    p /= p.sum()
+    rng = np.random.default_rng(0)
+    cache: OrderedDict = OrderedDict()
+    misses = []
+    for step in range(300):
+        miss = 0
+        for i in np.unique(rng.choice(n, size=lookups, p=p)):
+            if i in cache:
+                cache.move_to_end(i)
+            else:
+                miss += 1
+                cache[i] = None
+                if len(cache) > cache_rows:
+                    cache.popitem(last=False)
+        if step >= 100:
+            misses.append(miss)
+    access = TableAccess.zipf(n, 1.0)
+    assert access.lru_misses(lookups, cache_rows) == pytest.approx(np.mean(misses), rel=0.05)
+    assert access.lru_misses(lookups, cache_rows) > access.unique(lookups, cache_rows)  # worse than an ideal cache
+    assert access.lru_misses(lookups, n) == 0.0
+
+
 def test_sampled_profile_estimates_the_unseen_share():
     counts = np.array([50, 20, 10, 5, 1, 1, 1, 1])
     access = TableAccess.from_counts(counts, num_ids=1_000)
