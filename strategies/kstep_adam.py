@@ -75,7 +75,10 @@ class KStepAdamStrategy(DDPStrategy):
     (:meth:`lightning_module_state_dict`).
 
     The node layout is ``local_world_size`` ranks per node (default: the launcher's
-    ``LOCAL_WORLD_SIZE``, else Lightning's devices per node). When a merge is due is
+    ``LOCAL_WORLD_SIZE``, else Lightning's devices per node); ``"nvlink"`` makes each
+    NVLink island of the machine a "node" (read by ``ctr_lightning.topology``; the whole
+    node where the islands are unknown, unequal or single GPUs), so that per-step syncs
+    stay on NVLink. When a merge is due is
     decided by a :class:`MergeSchedule`; a ``TieredEmbeddingBagCollection`` with
     ``sparse_sync="k_step"`` and no ``sync_every`` of its own merges its tables with the
     same ``k`` and warm-up. Logged (by :class:`KStepMonitor`, added to the Trainer when
@@ -96,7 +99,7 @@ class KStepAdamStrategy(DDPStrategy):
         mode: Mode = "all",
         merge_optimizer_state: bool = True,
         warmup_steps: int = 0,
-        local_world_size: int | None = None,
+        local_world_size: int | str | None = None,
         bucket_bytes: int = 25 << 20,
         overlap: bool = False,
         moment_dtype: MomentDtype = "bfloat16",
@@ -109,6 +112,9 @@ class KStepAdamStrategy(DDPStrategy):
             raise ValueError(f"KStepAdamStrategy: {e}") from None
         if mode not in ("all", "node"):
             raise ValueError(f"KStepAdamStrategy: mode must be 'all' or 'node', got {mode!r}")
+        if isinstance(local_world_size, str) and local_world_size != "nvlink":
+            raise ValueError(f"KStepAdamStrategy: local_world_size must be an int, 'nvlink' or None, "
+                             f"got {local_world_size!r}")
         if bucket_bytes < 1:
             raise ValueError(f"KStepAdamStrategy: bucket_bytes must be >= 1, got {bucket_bytes}")
         if moment_dtype not in _MOMENT_DTYPES:
@@ -143,6 +149,11 @@ class KStepAdamStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # joins the process group
         local = self._local_world_size
+        if local == "nvlink":  # a "node" of the merge is an NVLink island of this machine
+            from ctr_lightning.topology import discover
+            from ctr_lightning.topology.planner import nvlink_group_size
+
+            local = nvlink_group_size(discover(), int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes)))
         if local is None and "LOCAL_WORLD_SIZE" not in os.environ:
             local = self.num_processes  # Lightning's devices per node
         self.layout = NodeLayout.of(self.world_size, self.global_rank, local)

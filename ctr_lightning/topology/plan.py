@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ctr_lightning.embedding.sharding_plan import TableSharding
 from ctr_lightning.embedding.storage_config import StorageConfig
-from ctr_lightning.topology.cost_model import StepEstimate
+from ctr_lightning.topology.cost_model import HardwareRates, StepEstimate
 
 
 class PlanError(ValueError):
@@ -83,6 +84,7 @@ class Plan:
     estimates: tuple[StepEstimate, ...]
     examples_per_step: int
     notes: tuple[str, ...] = ()
+    rates: HardwareRates | None = None  # what the estimates were priced with
 
     @property
     def world_size(self) -> int:
@@ -102,6 +104,33 @@ class Plan:
 
     def storage(self, rank: int = 0) -> dict[str, StorageConfig]:
         return {t.name: t.storage(self.ranks[rank].ssd_dir) for t in self.tables}
+
+    def torchrec_topology(self) -> Any:
+        """The plan's cluster as torchrec's planner sees one (``torchrec.distributed.planner.
+        types.Topology``): each rank's HBM / DDR / SSD budgets (the smallest rank's) and
+        the rates in torchrec's units (bytes per millisecond), for torchrec's own
+        ``EmbeddingShardingPlanner`` on the same machines."""
+        from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, TopologyFactory, TrainerConfig
+
+        gpu = self.accelerator == "gpu"
+        rank = min(self.ranks, key=lambda r: (r.device_bytes, r.host_bytes))
+        hardware = {}
+        if self.rates is not None:
+            per_ms = 1e-3
+            hardware = dict(intra_host_bw=self.rates.intra_node_bw * per_ms,
+                            inter_host_bw=self.rates.inter_node_bw * per_ms,
+                            ddr_mem_bw=(self.rates.host_to_device_bw if gpu else self.rates.device_bw) * per_ms,
+                            ssd_mem_bw=min(self.rates.ssd_read_bw, self.rates.ssd_read_iops * 4096) * per_ms)
+            if gpu:
+                hardware.update(hbm_mem_bw=self.rates.device_bw * per_ms,
+                                hbm_to_ddr_mem_bw=self.rates.host_to_device_bw * per_ms)
+        return TopologyFactory.create_topology(
+            TrainerConfig(world_size=self.world_size, local_world_size=self.ranks_per_node,
+                          hbm_cap_bytes=rank.device_bytes if gpu else 0,
+                          ddr_cap_bytes=rank.host_bytes if gpu else rank.device_bytes,
+                          ssd_cap_bytes=rank.ssd_bytes),
+            HardwareConfig(**hardware),
+            KernelConfig(compute_device="cuda" if gpu else "cpu", use_hardware_based_bandwidth=bool(hardware)))
 
     def to_text(self, machine_text: str = "") -> str:
         lines = [machine_text] if machine_text else []
@@ -127,7 +156,10 @@ class Plan:
                          f"{_opt(r.nic):<10} {_opt(r.ssd_dir):<28} {_size(r.device_bytes):>9} "
                          f"{_size(r.host_bytes):>9} {_size(r.ssd_bytes):>9} {est.seconds * 1e3:>8.2f}")
         if self.intra_groups:
-            lines.append(f"intra-node groups (local ranks): {[list(g) for g in self.intra_groups]}")
+            hint = ' (KStepAdamStrategy(local_world_size="nvlink") syncs each step within them)' \
+                if len(self.intra_groups) > 1 else ""
+            lines.append(f"per-step groups (local ranks, NVLink islands first): {[list(g) for g in self.intra_groups]}"
+                         + hint)
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

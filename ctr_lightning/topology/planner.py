@@ -3,15 +3,17 @@ chosen by the cost model."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
-from ctr_lightning.embedding.sharding_plan import TableSharding, plan_sharding
+from ctr_lightning.embedding.sharding_plan import SHARDING_KINDS, TableSharding, plan_sharding
 from ctr_lightning.embedding.sparse_update import state_width
 from ctr_lightning.topology.access_profile import TableAccess
 from ctr_lightning.topology.cost_model import HardwareRates, StepEstimate, TableLoad, estimate_step
@@ -70,6 +72,8 @@ class PlanOptions:
     free memory less ``reserve_bytes`` per rank (the process outside its tiers: about
     2 GiB measured in the out-of-core run), ``hbm_fraction`` of a GPU's free memory.
     ``sharding`` fixes it per table (or for all); ``"auto"`` lets the cost model pick.
+    ``constraints`` takes torchrec's ``ParameterConstraints`` per table: its
+    ``sharding_types`` limit the choice, its ``pooling_factors`` set the ids per example.
     """
 
     num_nodes: int = 1
@@ -84,6 +88,7 @@ class PlanOptions:
     host_bytes: int | None = None
     sharding: str | Mapping[str, str] = "auto"
     skew_aware: bool = True
+    constraints: Mapping[str, Any] = field(default_factory=dict)
 
 
 def plan(machine: Machine, shape: ModelShape, access: Mapping[str, TableAccess] | None = None,
@@ -111,6 +116,7 @@ def plan(machine: Machine, shape: ModelShape, access: Mapping[str, TableAccess] 
     access = dict(access or {})
     for t in shape.tables:
         access.setdefault(t.name, TableAccess.zipf(t.num_embeddings, 1.05, pooling=1.0))
+    requested = _apply_constraints(shape, options, access)
     local = _place_local_ranks(machine, shape, options, accelerator, rpn)
     ranks = tuple(RankPlacement(node * rpn + r.local_rank, node, r.local_rank, r.gpu, r.numa_node, r.cpus, r.nic,
                                 r.ssd_dir, r.device_bytes, r.host_bytes, r.ssd_bytes)
@@ -118,13 +124,38 @@ def plan(machine: Machine, shape: ModelShape, access: Mapping[str, TableAccess] 
     groups = _intra_groups(machine, local, accelerator)
     cost = _Pricing(shape, access, ranks, rpn, accelerator, options.skew_aware,
                     rates or _rates(machine, local, accelerator))
-    sharding = _choose_sharding(shape, world, options.sharding, cost)
+    sharding = _choose_sharding(shape, world, requested, cost)
     tables, estimates = cost.price(sharding)
     notes = list(machine.notes)
     if rates is None:
         notes.append(f"rates: published figures for {cost.rates.name} (HardwareRates.published)")
     return Plan(options.num_nodes, rpn, accelerator, tables, ranks, groups, estimates,
-                shape.batch_size * world, tuple(notes))
+                shape.batch_size * world, tuple(notes), cost.rates)
+
+
+def _apply_constraints(shape: ModelShape, options: PlanOptions,
+                       access: dict[str, TableAccess]) -> str | Mapping[str, str]:
+    """The sharding request with torchrec ``ParameterConstraints`` folded in (and their
+    pooling factors into ``access``)."""
+    if not options.constraints:
+        return options.sharding
+    names = [t.name for t in shape.tables]
+    unknown = sorted(set(options.constraints) - set(names))
+    if unknown:
+        raise PlanError(f"constraints name tables the model does not have: {unknown}")
+    requested = dict(options.sharding) if isinstance(options.sharding, Mapping) else {n: options.sharding for n in names}
+    for name, c in options.constraints.items():
+        if getattr(c, "pooling_factors", None):
+            access[name] = dataclasses.replace(access[name], pooling=float(sum(c.pooling_factors) / len(c.pooling_factors)))
+        kinds = getattr(c, "sharding_types", None)
+        if kinds:
+            allowed = [k for k in kinds if k in SHARDING_KINDS]
+            if not allowed:
+                raise PlanError(f"table {name!r}: sharding types {list(kinds)} are not among those "
+                                f"TieredEmbeddingBagCollection offers {list(SHARDING_KINDS)}")
+            if requested[name] not in allowed:
+                requested[name] = allowed[0] if len(allowed) == 1 else "auto"
+    return requested
 
 
 def _accelerator(machine: Machine, requested: str) -> str:
@@ -145,13 +176,7 @@ def _rates(machine: Machine, local: Sequence[RankPlacement], accelerator: str) -
     rates = HardwareRates.for_machine(machine, gpu, nic.speed_mbps if nic else None, cpus=len(local[0].cpus))
     # The NIC's bandwidth is shared by the ranks it serves.
     users = sum(1 for r in local if r.nic == local[0].nic) or 1
-    return rates if users == 1 else _replace(rates, inter_node_bw=rates.inter_node_bw / users)
-
-
-def _replace(rates: HardwareRates, **changes: float) -> HardwareRates:
-    import dataclasses
-
-    return dataclasses.replace(rates, **changes)
+    return rates if users == 1 else dataclasses.replace(rates, inter_node_bw=rates.inter_node_bw / users)
 
 
 # ----------------------------------------------------------------------------- ranks
@@ -321,6 +346,23 @@ def _dram_budgets(machine: Machine, options: PlanOptions, numa: Sequence[int | N
                             f"needs outside its tiers")
         out.append(max(budget, 0))
     return out
+
+
+def nvlink_group_size(machine: Machine, ranks_per_node: int) -> int:
+    """Ranks per k-step "node" when ranks one per GPU follow the NVLink islands: the
+    islands' size when they are equal, contiguous in GPU order, larger than one GPU and
+    divide the node's ranks; else the whole node.
+
+    Example::
+
+        KStepAdamStrategy(mode="node", local_world_size=nvlink_group_size(discover(), 8))
+    """
+    islands = [g for g in (machine.nvlink_groups or ()) if any(i < ranks_per_node for i in g)]
+    sizes = {len(g) for g in islands}
+    contiguous = all(tuple(g) == tuple(range(g[0], g[0] + len(g))) for g in islands)
+    if len(sizes) == 1 and contiguous and 1 < (size := sizes.pop()) < ranks_per_node and ranks_per_node % size == 0:
+        return size
+    return ranks_per_node
 
 
 def _intra_groups(machine: Machine, local: Sequence[RankPlacement], accelerator: str) -> tuple[tuple[int, ...], ...]:

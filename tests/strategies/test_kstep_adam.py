@@ -11,6 +11,8 @@ def test_arguments_are_checked():
         KStepAdamStrategy(mode="ring")
     with pytest.raises(ValueError, match="warmup_steps must be >= 0"):
         KStepAdamStrategy(warmup_steps=-1)
+    with pytest.raises(ValueError, match="local_world_size must be an int, 'nvlink' or None"):
+        KStepAdamStrategy(local_world_size="islands")
     with pytest.raises(ValueError, match="moment_dtype must be one of .*float16 would flush"):
         KStepAdamStrategy(moment_dtype="float16")
     with pytest.raises(ValueError, match="does not divide the world size 6"):
@@ -24,3 +26,14 @@ def test_registered_under_a_short_name():
 
     trainer = pl.Trainer(strategy="kstep_adam", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, KStepAdamStrategy) and trainer.strategy.k == 16
+
+
+def test_nvlink_layout_on_a_machine_without_gpus_is_the_node(tmp_path):
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    strategy = KStepAdamStrategy(k=2, local_world_size="nvlink", merge_optimizer_state=False)
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(BoringModel())
+    assert strategy.layout.local_world_size == 1 and trainer.global_step == 2

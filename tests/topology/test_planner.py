@@ -161,3 +161,35 @@ def test_a_budget_below_the_batches_in_flight_is_refused():
     for skew_aware in (True, False):  # just above: each table gets at least its batches' rows
         p = plan(vm, shape, options=PlanOptions(device_bytes=20_000 * 768, ssd_dirs=("/",), skew_aware=skew_aware))
         assert all(t.device_rows >= 2 * 2400 for t in p.tables)
+
+
+def test_torchrec_constraints_and_topology():
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    dgx = Machine.load(MACHINES / "dgx_a100.json")
+    shape = _shape([40_000_000, 3_000_000, 10_000, 500])
+    constraints = {"t0": ParameterConstraints(sharding_types=["row_wise"], pooling_factors=[3.0, 5.0]),
+                   "t2": ParameterConstraints(sharding_types=["table_wise", "data_parallel"])}
+    p = plan(dgx, shape, options=PlanOptions(constraints=constraints))
+    assert p.sharding()["t0"] == "row_wise" and p.sharding()["t2"] == "table_wise"
+    with pytest.raises(PlanError, match=r"table 't1': sharding types \['column_wise'\] are not among"):
+        plan(dgx, shape, options=PlanOptions(constraints={"t1": ParameterConstraints(sharding_types=["column_wise"])}))
+    topology = p.torchrec_topology()  # torchrec's planner can take the same cluster
+    assert topology.world_size == 8 and topology.local_world_size == 8 and topology.compute_device == "cuda"
+    assert topology.devices[0].storage.hbm == p.ranks[0].device_bytes
+    assert topology.devices[0].storage.ddr == p.ranks[0].host_bytes
+    assert topology.intra_host_bw == pytest.approx(p.rates.intra_node_bw / 1000)
+
+
+def test_nvlink_islands_size_the_kstep_groups():
+    from ctr_lightning.topology.planner import nvlink_group_size
+
+    dgx = Machine.load(MACHINES / "dgx_a100.json")
+    assert nvlink_group_size(dgx, 8) == 8  # NVSwitch: one island, the whole node
+    pairs = dataclasses.replace(dgx, nvlink_groups=((0, 1, 2, 3), (4, 5, 6, 7)))
+    assert nvlink_group_size(pairs, 8) == 4
+    assert nvlink_group_size(dataclasses.replace(dgx, nvlink_groups=((0, 2), (1, 3))), 4) == 4  # not contiguous
+    assert nvlink_group_size(dataclasses.replace(dgx, nvlink_groups=((0,), (1,), (2,), (3,))), 4) == 4  # PCIe only
+    assert nvlink_group_size(dataclasses.replace(dgx, nvlink_groups=None), 8) == 8  # unknown
+    p = plan(pairs, _shape([1000] * 4))
+    assert p.intra_groups == ((0, 1, 2, 3), (4, 5, 6, 7))
