@@ -89,12 +89,16 @@ def plan_for_config(config: Mapping[str, Any], machine: Machine, num_nodes: int 
     storage = model.get("storage") if isinstance(model.get("storage"), Mapping) else {}
     devices = trainer.get("devices")
     accelerator = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}.get(str(trainer.get("accelerator", "auto")), "auto")
+    # storage: a StorageConfig's ssd_dir, or AutoStorage's ssd_dirs and fractions.
+    auto = {k: storage[k] for k in ("dram_fraction", "hbm_fraction", "reserve_bytes") if k in storage}
+    configured = tuple(storage.get("ssd_dirs") or ()) or ((storage["ssd_dir"],) if storage.get("ssd_dir") else ())
     options = PlanOptions(
         num_nodes=num_nodes or int(trainer.get("num_nodes", 1)),
         ranks_per_node=ranks_per_node or (devices if isinstance(devices, int) else None),
         accelerator=accelerator,
-        ssd_dirs=ssd_dirs or ((storage["ssd_dir"],) if storage.get("ssd_dir") else ()),
+        ssd_dirs=ssd_dirs or configured,
         sharding=model.get("sharding", "auto"),  # not set: the cost model picks per table
+        **auto,
     )
     access: dict[str, TableAccess] | None = None
     if profile_batches:
@@ -111,7 +115,8 @@ def plan_main(argv: list[str] | None = None) -> None:
         description="Print the machine's topology and the placement plan for a fit config: per table its "
                     "sharding and HBM / DRAM / SSD split, per rank its GPU, CPUs, NIC and SSD directory, the "
                     "bytes a step on each link and the estimated step time.")
-    parser.add_argument("--config", required=True, help="a ctr-lightning fit config (YAML)")
+    parser.add_argument("--config", required=True, action="append",
+                        help="a ctr-lightning fit config (YAML); several are merged in order, as fit does")
     parser.add_argument("--topology", help="a machine description (JSON from `ctr-lightning topology --save`) "
                                            "to plan for instead of this machine")
     parser.add_argument("--num_nodes", type=int, help="nodes like it (default: the config's trainer.num_nodes)")
@@ -122,13 +127,15 @@ def plan_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows_per_table", type=int, help="expected rows per table (default: num_embeddings)")
     parser.add_argument("--ssd_dir", action="append", default=[], help="an SSD directory (repeat for several)")
     args = parser.parse_args(argv)
-    config = yaml.safe_load(Path(args.config).read_text()) or {}
+    config: dict[str, Any] = {}
+    for path in args.config:
+        config = _merged(config, yaml.safe_load(Path(path).read_text()) or {})
     machine = Machine.load(args.topology) if args.topology else discover()
     try:
         result = plan_for_config(config, machine, args.num_nodes, args.ranks_per_node, args.profile_batches,
                                  args.rows_per_table, tuple(args.ssd_dir))
     except PlanError as err:
-        raise SystemExit(f"ctr-lightning plan: {args.config} does not fit: {err}") from None
+        raise SystemExit(f"ctr-lightning plan: {' + '.join(args.config)} does not fit: {err}") from None
     print(result.to_text(describe_machine(machine) + "\n"))
 
 
@@ -143,6 +150,14 @@ def topology_main(argv: list[str] | None = None) -> None:
     if args.save:
         machine.save(args.save)
         print(f"saved to {args.save}")
+
+
+def _merged(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = _merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) \
+            else value
+    return out
 
 
 def _gib(n: int | None) -> str:
