@@ -61,7 +61,8 @@ class TieredEmbeddingBagCollection(nn.Module):
             torch ops, the default on CUDA), or ``"auto"``.
         sharding: under torch.distributed with more than one rank, how tables are split:
             ``"row_wise"`` (by a hash of the id), ``"table_wise"``, ``"auto"`` (see
-            :func:`plan_sharding`), or a dict table name -> kind. Each rank passes its own
+            :func:`plan_sharding`; under ``storage="auto"``, the planner's cost model picks
+            per table), or a dict table name -> kind. Each rank passes its own
             batch; ids travel to their owners and pooled rows back (torchrec all-to-alls).
             Each rank's SSD files go into ``<ssd_dir>/rank<r>``.
         process_group: the ranks to shard over; default all, in a group of their own.
@@ -173,15 +174,14 @@ class TieredEmbeddingBagCollection(nn.Module):
         if process_group is not None and process_group.size() > 1:
             from ctr_lightning.embedding.distributed import ReplicatedTables, ShardedTables
 
-            plan = plan_sharding(self._tables, process_group.size(), self._sharding)
-            self._place(plan, process_group)
+            plan = self._place(process_group)
             if self._sparse_sync == "k_step":
                 self._engine = ReplicatedTables(self._tables, self._setup, plan, process_group, self._merge_schedule,
                                                 state_dtype=self._sync_state_dtype)
             else:
                 self._engine = ShardedTables(self._tables, self._setup, plan, process_group)
         else:
-            self._place(plan_sharding(self._tables, 1, self._sharding), None)
+            self._place(None)
             self._engine = LocalTables(self._tables, self._setup)
         return self._engine
 
@@ -196,17 +196,21 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._built()
         return self.placement
 
-    def _place(self, sharding: Mapping[str, TableSharding], process_group: dist.ProcessGroup | None) -> None:
+    def _place(self, process_group: dist.ProcessGroup | None) -> dict[str, TableSharding]:
+        """The tables' sharding over ``process_group``; under ``storage="auto"`` also this
+        rank's tiers, planned (and ``sharding="auto"`` chosen by the planner's cost model)."""
+        world = process_group.size() if process_group is not None else 1
         if self._auto_storage is None:
-            return
+            return plan_sharding(self._tables, world, self._sharding)
         from ctr_lightning.topology.auto_placement import place_tables
 
         batch_size, access = getattr(self, "_placement_inputs", (4096, None))
-        self.placement = place_tables(self._tables, self._setup.optimizer, sharding, self._auto_storage,
+        self.placement = place_tables(self._tables, self._setup.optimizer, self._sharding, self._auto_storage,
                                       self._setup.device, process_group, batch_size, access)
         self._setup = TableSetup.build(self._tables, self.placement.storage, self._setup.optimizer,
                                        dict(self._setup.id_space), self._setup.is_weighted, self._setup.device,
                                        self._setup.seed, self._setup.kernel, module_name=self._setup.module_name)
+        return {t.name: t.sharding for t in self.placement.plan.tables}
 
     @property
     def device(self) -> torch.device:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -12,7 +13,6 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from ctr_lightning.embedding.optimizers import SparseOptimizer
-from ctr_lightning.embedding.sharding_plan import TableSharding
 from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig
 from ctr_lightning.topology.access_profile import TableAccess
 from ctr_lightning.topology.discovery import discover
@@ -50,17 +50,18 @@ def set_threads(n: int) -> None:
 
 
 def place_tables(tables: Sequence[EmbeddingBagConfig], optimizer: SparseOptimizer,
-                 sharding: Mapping[str, TableSharding], auto: AutoStorage, device: torch.device,
+                 sharding: str | Mapping[str, str], auto: AutoStorage, device: torch.device,
                  process_group: dist.ProcessGroup | None = None, batch_size: int = 4096,
                  access: Mapping[str, TableAccess] | None = None) -> Placement:
-    """Plan the tiers of ``tables`` (sharded as ``sharding``) for this rank of
-    ``process_group``. Collective when the group has more than one rank: the ranks tell
-    each other their host names, so that ranks on one machine share it.
+    """Plan the tiers of ``tables`` for this rank of ``process_group``, and their sharding
+    (``sharding`` as requested; ``"auto"`` tables by the cost model). Collective when the
+    group has more than one rank: the ranks tell each other their host names, so that
+    ranks on one machine share it, and all take rank 0's sharding (budgets stay each
+    rank's own, from what is free where it runs).
 
     Example::
 
-        placement = place_tables(tables, SparseAdam(), {"t0": TableSharding("row_wise")}, AutoStorage(),
-                                 torch.device("cpu"))
+        placement = place_tables(tables, SparseAdam(), "row_wise", AutoStorage(), torch.device("cpu"))
         placement.storage["t0"]     # StorageConfig(device_rows=..., ssd_dir=...)
     """
     world = process_group.size() if process_group is not None else 1
@@ -80,8 +81,13 @@ def place_tables(tables: Sequence[EmbeddingBagConfig], optimizer: SparseOptimize
     options = PlanOptions(num_nodes=world // ranks_per_node, ranks_per_node=ranks_per_node,
                           accelerator="gpu" if device.type == "cuda" else "cpu", ssd_dirs=auto.ssd_dirs,
                           dram_fraction=auto.dram_fraction, hbm_fraction=auto.hbm_fraction,
-                          reserve_bytes=auto.reserve_bytes, sharding={n: s.kind for n, s in sharding.items()})
+                          reserve_bytes=auto.reserve_bytes, sharding=sharding)
     result = plan(machine, shape, access, options)
+    if world > 1:  # one sharding for all: rank 0's (each rank's machine may differ in what is free)
+        chosen = [result.sharding()]
+        dist.broadcast_object_list(chosen, src=dist.get_global_rank(process_group, 0), group=process_group)
+        if chosen[0] != result.sharding():
+            result = plan(machine, shape, access, dataclasses.replace(options, sharding=chosen[0]))
     mine = result.ranks[local_rank]
     if device.type == "cuda" and device.index is not None:
         mine = next((r for r in result.ranks if r.node == 0 and r.gpu == device.index), mine)

@@ -1,5 +1,6 @@
 """``storage: auto`` through a real fit: one process through the CLI, two gloo ranks."""
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 RANK_SCRIPT = r"""
@@ -15,7 +16,7 @@ dm = SyntheticStreamDataModule(num_sparse=4, batch_size=256, train_batches=6, va
                                num_workers=0)
 model = DLRMModule(sparse_feature_names=dm.sparse_feature_names, embedding_dim=8, num_embeddings=20_000,
                    dense_arch_layer_sizes=[16], over_arch_layer_sizes=[16, 1],
-                   storage=AutoStorage(ssd_dirs=(ssd,), reserve_bytes=0))
+                   storage=AutoStorage(ssd_dirs=(ssd,), reserve_bytes=0), sharding="auto")
 trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=6, logger=False,
                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                      num_sanity_val_steps=0, limit_val_batches=0)
@@ -24,7 +25,9 @@ p = model.embeddings.placement
 print("RESULT " + json.dumps({"rank": trainer.global_rank, "cpus": sorted(os.sched_getaffinity(0)),
                               "planned_cpus": list(p.rank.cpus), "world": p.plan.world_size,
                               "device_bytes": p.rank.device_bytes, "steps": trainer.global_step,
-                              "dirs": model.embeddings.ssd_directories}), flush=True)
+                              "dirs": model.embeddings.ssd_directories,
+                              "sharding": {n: [s.kind, s.owner] for n, s in model.embeddings.sharding_plan.items()},
+                              "planned": p.plan.sharding()}), flush=True)
 import torch.distributed as dist
 if dist.is_initialized():
     dist.destroy_process_group()
@@ -40,8 +43,12 @@ def test_two_ranks_plan_share_the_machine_and_pin_their_cpus(tmp_path, run_ranks
     assert all(set(r["cpus"]) == set(r["planned_cpus"]) for r in ranks)  # pinned to what the plan says
     if len(os.sched_getaffinity(0)) >= 2:
         assert not planned[0] & planned[1]  # two ranks on one machine: disjoint CPU sets
-    assert ranks[0]["device_bytes"] == ranks[1]["device_bytes"]  # each half of the DRAM share
+    # Each its half of the DRAM share, read from what was free when it planned.
+    assert ranks[0]["device_bytes"] == pytest.approx(ranks[1]["device_bytes"], rel=0.02)
     assert all(r["dirs"] == [str(tmp_path / "ssd")] for r in ranks)
+    # sharding "auto" under storage auto: the cost model's choice, rank 0's for both
+    assert ranks[0]["sharding"] == ranks[1]["sharding"]
+    assert {n: k for n, (k, _) in ranks[0]["sharding"].items()} == ranks[0]["planned"]
 
 
 def test_fit_with_storage_auto_logs_the_plan(tmp_path, in_process):
