@@ -10,7 +10,8 @@ overlap=True (each merge applied k steps late), "16f" k=16 with Adam's moments a
 in float32 rather than the default bfloat16, "64w" (on request) k=64 after 64 synchronous
 warm-up steps, "16s" (on request) k=16 for the tables too (``sparse_sync="k_step"``: replicas
 merged into their owners every 16 steps) where every other configuration syncs the tables
-every step; "16sf" as "16s" with the tables' optimizer state sent in float32.
+every step; "16sf" as "16s" with the tables' optimizer state sent in float32; "16sw" as "16s"
+after 16 synchronous warm-up steps (dense part and tables).
 
     python benchmarks/kstep_convergence.py [--train-rows 200000 --epochs 1]
     python benchmarks/kstep_convergence.py --data sample --configs 1,64,64w
@@ -112,11 +113,12 @@ def fit(k: int, train: Path, val: Path, epochs: int, batch: int, seed: int = 0, 
 
 # label: (k, further KStepAdamStrategy arguments, further DLRMModule arguments); "1" (fully
 # synchronous: dense k=1, tables sharded row-wise with per-step sync) is the reference every
-# other is paired with. Only "16s" syncs the tables every k steps too (sparse_sync="k_step").
+# other is paired with. Only "16s*" sync the tables every k steps too (sparse_sync="k_step").
 CONFIGS = {"1": (1, {}, {}), "4": (4, {}, {}), "16": (16, {}, {}), "64": (64, {}, {}),
            "16o": (16, {"overlap": True}, {}), "16f": (16, {"moment_dtype": "float32"}, {}),
            "64w": (64, {"warmup_steps": 64}, {}), "16s": (16, {}, {"sparse_sync": "k_step"}),
-           "16sf": (16, {}, {"sparse_sync": "k_step", "sync_state_dtype": "float32"})}
+           "16sf": (16, {}, {"sparse_sync": "k_step", "sync_state_dtype": "float32"}),
+           "16sw": (16, {"warmup_steps": 16}, {"sparse_sync": "k_step"})}
 DEFAULT_CONFIGS = "1,4,16,64,16o,16f"
 
 

@@ -149,11 +149,15 @@ class KStepAdamStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()  # joins the process group
         local = self._local_world_size
-        if local == "nvlink":  # a "node" of the merge is an NVLink island of this machine
+        if local == "nvlink":  # a "node" of the merge is an NVLink island: rank 0's reading, for all
             from ctr_lightning.topology import discover
             from ctr_lightning.topology.planner import nvlink_group_size
 
-            local = nvlink_group_size(discover(), int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes)))
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.num_processes))
+            found = [nvlink_group_size(discover(), per_node) if self.global_rank == 0 else None]
+            if self.world_size > 1:
+                dist.broadcast_object_list(found, src=0)
+            local = found[0]
         if local is None and "LOCAL_WORLD_SIZE" not in os.environ:
             local = self.num_processes  # Lightning's devices per node
         self.layout = NodeLayout.of(self.world_size, self.global_rank, local)

@@ -42,19 +42,26 @@ def test_plan_prints_the_placement_of_a_config(tmp_path, in_process, capsys):
                 "--ssd_dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "estimated step" in out and "t_C26" in out and str(tmp_path) in out
+    assert "StorageConfig budgets by hand" in out  # out_of_core.yaml sets device_bytes itself
     row = next(line for line in out.splitlines() if line.startswith("t_C1 "))
     assert int(row.split()[-3].replace(",", "")) > 0  # rows on SSD: 52M rows of 768 B do not fit in DRAM
 
 
 def test_plan_reads_auto_storage_of_a_config(tmp_path, in_process, capsys):
-    config = tmp_path / "auto.yaml"
-    config.write_text("model:\n  storage:\n    ssd_dirs: [" + str(tmp_path / "a") + "]\n    dram_fraction: 0.2\n")
-    args = ["plan", "--config", "configs/out_of_core.yaml", "--config", str(config), "--rows_per_table", "100000",
+    import yaml
+
+    config = yaml.safe_load(open("configs/out_of_core.yaml"))
+    config["model"]["storage"] = {"ssd_dirs": [str(tmp_path / "a")], "dram_fraction": 0.2}
+    path = tmp_path / "auto.yaml"
+    path.write_text(yaml.safe_dump(config))
+    args = ["plan", "--config", str(path), "--rows_per_table", "100000",
             "--topology", "tests/topology/machines/vm_1socket.json"]
     in_process(args)
     out = capsys.readouterr().out
     assert next(line for line in out.splitlines() if line.startswith("   0 ")).count(str(tmp_path / "a")) == 1
-    config.write_text("model:\n  storage:\n    dram_fraction: 0.01\n")
+    assert "StorageConfig budgets by hand" not in out
+    config["model"]["storage"] = {"dram_fraction": 0.01}
+    path.write_text(yaml.safe_dump(config))
     with pytest.raises(SystemExit, match=r"23.0 GiB free x 0.01 over 1 rank\(s\) leaves nothing above the 2.0 GiB"):
         in_process(args)
 

@@ -206,7 +206,8 @@ class TieredEmbeddingBagCollection(nn.Module):
 
         batch_size, access = getattr(self, "_placement_inputs", (4096, None))
         self.placement = place_tables(self._tables, self._setup.optimizer, self._sharding, self._auto_storage,
-                                      self._setup.device, process_group, batch_size, access)
+                                      self._setup.device, process_group, batch_size, access, self._sparse_sync,
+                                      self._merge_schedule.k if self._sparse_sync == "k_step" else 1)
         self._setup = TableSetup.build(self._tables, self.placement.storage, self._setup.optimizer,
                                        dict(self._setup.id_space), self._setup.is_weighted, self._setup.device,
                                        self._setup.seed, self._setup.kernel, module_name=self._setup.module_name)

@@ -144,6 +144,9 @@ def measure_access(batches: Iterable, tables: Mapping[str, Sequence[str]], num_i
     out = {}
     for table, parts in ids.items():
         values = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if not len(values):
+            raise ValueError(f"access profile: table {table!r} got no id in the first {max_batches} batches "
+                             f"({examples} examples)")
         _, counts = np.unique(values, return_counts=True)
         out[table] = TableAccess.from_counts(counts, num_ids[table], pooling=len(values) / examples)
     return out

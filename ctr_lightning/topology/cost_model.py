@@ -70,10 +70,11 @@ class HardwareRates:
                                     lookup_op_s=cpu.lookup_op_s / n)
         if gpu is not None:
             name = (gpu.name or "").lower()
-            kind = next((k for k in ("h200", "h100", "a100-80gb", "a100") if k.split("-")[0] in name), "a100")
+            kind = next((k for k in ("h200", "h100", "a100") if k in name), None)
             if kind == "a100" and (gpu.memory_bytes or 0) > 60 * 2**30:
                 kind = "a100-80gb"
-            rates = PUBLISHED[kind]
+            # Other GPUs are priced as an A100 and say so (the placement does not depend on it).
+            rates = PUBLISHED[kind] if kind else dataclasses.replace(_A100, name=f"a100, standing in for {gpu.name!r}")
         if nic_mbps:
             rates = dataclasses.replace(rates, inter_node_bw=nic_mbps * 1e6 / 8)
         return rates

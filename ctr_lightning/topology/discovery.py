@@ -12,18 +12,20 @@ from pathlib import Path
 from ctr_lightning.topology.gpu_links import parse_topo_matrix
 from ctr_lightning.topology.machine import Drive, FileSystem, Gpu, Machine, Nic, NumaNode
 
-_PCI_ADDRESS = re.compile(r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]$")
-_NOT_DRIVES = ("loop", "ram", "zram", "dm-", "md", "sr", "fd", "nbd")
+_PCI_ADDRESS = re.compile(r"^[0-9a-f]{4,5}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]$")  # 5 digits: VMD domains
+_NOT_DRIVES = ("loop", "ram", "zram", "sr", "fd", "nbd")
 _NVIDIA = "0x10de"
 
 
 def discover(sys_root: str | os.PathLike = "/sys", proc_root: str | os.PathLike = "/proc",
-             gpus: bool = True) -> Machine:
+             gpus: bool = True, gpu_memory_of: int | None = None) -> Machine:
     """This machine's :class:`Machine`: NUMA nodes, PCI GPUs / NICs / drives with their NUMA
     node and PCIe path, the file systems on each drive, NVLink islands.
 
     ``sys_root`` / ``proc_root`` read another tree (a recorded one); ``gpus=False`` skips
-    torch and ``nvidia-smi``. Whatever cannot be read is left unknown (``None``).
+    torch and ``nvidia-smi``; ``gpu_memory_of`` asks only that GPU's free memory (each
+    query makes a CUDA context on its GPU: a rank asks for its own). Whatever cannot be
+    read is left unknown (``None``).
 
     Example::
 
@@ -34,7 +36,7 @@ def discover(sys_root: str | os.PathLike = "/sys", proc_root: str | os.PathLike 
     sys_root, proc_root = Path(sys_root), Path(proc_root)
     notes: list[str] = []
     numa = _numa_nodes(sys_root, proc_root)
-    gpu_list, nvlink = _gpus(sys_root, notes) if gpus else ((), None)
+    gpu_list, nvlink = _gpus(sys_root, notes, gpu_memory_of) if gpus else ((), None)
     live = sys_root == Path("/sys")
     return Machine(
         hostname=socket.gethostname() if live else sys_root.parent.name or "recorded",
@@ -127,20 +129,29 @@ def _drives(sys_root: Path, proc_root: Path, statvfs: bool) -> tuple[Drive, ...]
         if d.name.startswith(_NOT_DRIVES):
             continue
         chain = _pci_chain(sys_root, d)
+        numa = _numa_of_pci(sys_root, chain[-1] if chain else None)
+        members = sorted((d / "slaves").glob("*"))
+        if members and not chain:
+            # RAID (md) or device-mapper: where its member devices sit, if they agree.
+            chains = [_pci_chain(sys_root, m) for m in members]
+            nodes = {_numa_of_pci(sys_root, c[-1] if c else None) for c in chains}
+            chain = chains[0]
+            numa = nodes.pop() if len(nodes) == 1 else None
         size = _read(d / "size")
         rotational = _read(d / "queue/rotational")
         names = [d.name] + sorted(p.name for p in d.glob(f"{d.name}*") if (p / "partition").exists())
-        file_systems = tuple(_file_system(m, statvfs) for name in names for m in mounts.get(name, ()))
+        file_systems = tuple(fs for name in names for m in mounts.get(name, ())
+                             if (fs := _file_system(m, statvfs)) is not None)
         drives.append(Drive(
-            d.name, _drive_kind(d.name), chain[-1] if chain else None,
-            _numa_of_pci(sys_root, chain[-1] if chain else None), chain,
+            d.name, _drive_kind(d.name), chain[-1] if chain else None, numa, chain,
             int(size) * 512 if size and size.isdigit() else None,
             None if rotational is None else rotational == "1", file_systems))
     return tuple(drives)
 
 
 def _drive_kind(name: str) -> str | None:
-    for prefix, kind in (("nvme", "nvme"), ("vd", "virtio"), ("sd", "scsi"), ("xvd", "xen")):
+    for prefix, kind in (("nvme", "nvme"), ("vd", "virtio"), ("sd", "scsi"), ("xvd", "xen"), ("md", "raid"),
+                         ("dm-", "device-mapper")):
         if name.startswith(prefix):
             return kind
     return None
@@ -153,7 +164,8 @@ def _mounts_by_device(proc_root: Path) -> dict[str, list[tuple[str, str, str]]]:
         parts = line.split()
         if len(parts) < 4 or not parts[0].startswith("/dev/"):
             continue
-        device, mount_point, fstype, options = parts[0], parts[1].replace("\\040", " "), parts[2], parts[3]
+        device, fstype, options = parts[0], parts[2], parts[3]
+        mount_point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1])  # \040 is a space
         if mount_point in seen:
             continue
         seen.add(mount_point)
@@ -161,8 +173,12 @@ def _mounts_by_device(proc_root: Path) -> dict[str, list[tuple[str, str, str]]]:
     return out
 
 
-def _file_system(mount: tuple[str, str, str], statvfs: bool) -> FileSystem:
+def _file_system(mount: tuple[str, str, str], statvfs: bool) -> FileSystem | None:
+    """The file system at a mount point; None for one that cannot hold an SSD tier's
+    directory (a file bind-mounted into a container, a FAT boot partition)."""
     mount_point, fstype, options = mount
+    if fstype in ("vfat", "msdos", "iso9660", "squashfs") or (statvfs and not os.path.isdir(mount_point)):
+        return None
     total = free = None
     writable = "ro" not in options.split(",")
     if statvfs:
@@ -183,7 +199,8 @@ def _cgroup_memory_limit(sys_root: Path) -> int | None:
     return None
 
 
-def _gpus(sys_root: Path, notes: list[str]) -> tuple[tuple[Gpu, ...], tuple[tuple[int, ...], ...] | None]:
+def _gpus(sys_root: Path, notes: list[str],
+          memory_of: int | None) -> tuple[tuple[Gpu, ...], tuple[tuple[int, ...], ...] | None]:
     """GPUs from torch (memory) when CUDA is usable, else NVIDIA display controllers on PCI;
     NVLink islands from ``nvidia-smi topo -m``."""
     gpus: list[Gpu] = []
@@ -197,7 +214,7 @@ def _gpus(sys_root: Path, notes: list[str]) -> tuple[tuple[Gpu, ...], tuple[tupl
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
             address = _torch_pci_address(props)
-            free, total = torch.cuda.mem_get_info(i)
+            free, total = torch.cuda.mem_get_info(i) if memory_of in (None, i) else (None, props.total_memory)
             chain = _pci_chain(sys_root, sys_root / "bus/pci/devices" / address) if address else ()
             gpus.append(Gpu(i, props.name, address, _numa_of_pci(sys_root, address), chain, total, free))
     else:

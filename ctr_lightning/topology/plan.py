@@ -34,13 +34,17 @@ class TablePlacement:
     device_coverage: float
     host_coverage: float
 
-    def storage(self, ssd_dir: str | None) -> StorageConfig:
-        """This table's :class:`StorageConfig` on a rank whose SSD directory is ``ssd_dir``.
+    def storage(self, ssd_dir: str | None, host_tier: bool = False) -> StorageConfig:
+        """This table's :class:`StorageConfig` on a rank whose SSD directory is ``ssd_dir``;
+        ``host_tier``: the rank has a DRAM tier below the device (a GPU rank).
 
         With an SSD directory the tiers stay bounded even when the rows fit, so that a
-        table growing past its expected rows spills to SSD instead of memory."""
+        table growing past its expected rows spills to SSD instead of memory. Tables that
+        share an SSD directory either all have a host tier or none: a table that fits its
+        device tier gets a host tier of one row."""
         if ssd_dir is not None:
-            return StorageConfig(device_rows=max(self.device_rows, 1), host_rows=self.host_rows, ssd_dir=ssd_dir)
+            host = max(self.host_rows, 1) if host_tier else 0
+            return StorageConfig(device_rows=max(self.device_rows, 1), host_rows=host, ssd_dir=ssd_dir)
         if self.host_rows:
             return StorageConfig(device_rows=max(self.device_rows, 1))
         return StorageConfig()
@@ -103,7 +107,7 @@ class Plan:
         return {t.name: t.sharding.kind for t in self.tables}
 
     def storage(self, rank: int = 0) -> dict[str, StorageConfig]:
-        return {t.name: t.storage(self.ranks[rank].ssd_dir) for t in self.tables}
+        return {t.name: t.storage(self.ranks[rank].ssd_dir, self.accelerator == "gpu") for t in self.tables}
 
     def torchrec_topology(self) -> Any:
         """The plan's cluster as torchrec's planner sees one (``torchrec.distributed.planner.

@@ -4,6 +4,7 @@ without training."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import inspect
 from collections.abc import Mapping
@@ -97,15 +98,26 @@ def plan_for_config(config: Mapping[str, Any], machine: Machine, num_nodes: int 
         ranks_per_node=ranks_per_node or (devices if isinstance(devices, int) else None),
         accelerator=accelerator,
         ssd_dirs=ssd_dirs or configured,
-        sharding=model.get("sharding", "auto"),  # not set: the cost model picks per table
+        sharding=model.get("sharding", _default("sharding")),  # what fit would use
         **auto,
     )
+    notes = []
+    if storage and not {"ssd_dirs", "dram_fraction", "hbm_fraction", "reserve_bytes"} & set(storage):
+        notes.append("the config sets StorageConfig budgets by hand; this plan shows what storage: auto would "
+                     "choose instead")
     access: dict[str, TableAccess] | None = None
     if profile_batches:
         datamodule.setup("fit")
         access = measure_access(datamodule.train_dataloader(), {t.name: list(t.feature_names) for t in shape.tables},
                                 {t.name: t.num_embeddings for t in shape.tables}, profile_batches)
-    return plan(machine, shape, access, options)
+    result = plan(machine, shape, access, options)
+    return dataclasses.replace(result, notes=(*result.notes, *notes))
+
+
+def _default(name: str) -> Any:
+    from ctr_lightning.models import DLRMModule
+
+    return inspect.signature(DLRMModule.__init__).parameters[name].default
 
 
 def plan_main(argv: list[str] | None = None) -> None:

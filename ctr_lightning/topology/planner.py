@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -217,10 +218,10 @@ def _cpu_sets(machine: Machine, numa: Sequence[int | None]) -> list[tuple[int, .
     allowed = set(machine.cpus)
     pools: dict[int | None, list[int]] = {}
     for node in set(numa):
-        if node is None:
-            pools[node] = sorted(allowed)
-        else:
-            pools[node] = [c for c in next(n for n in machine.numa_nodes if n.id == node).cpus if c in allowed]
+        cpus = next((n.cpus for n in machine.numa_nodes if n.id == node), ())
+        # A node whose CPUs this process may not use (a container pinned to another
+        # socket), or not known: the rank shares all CPUs it may use.
+        pools[node] = [c for c in cpus if c in allowed] or sorted(allowed)
     out = []
     for i, node in enumerate(numa):
         peers = [j for j, n in enumerate(numa) if n == node]
@@ -263,8 +264,9 @@ def _nearest(nics: Sequence, machine: Machine, gpus: Sequence[int | None],
     out = []
     for gpu, node in zip(gpus, numa):
         path = machine.gpus[gpu].pcie_path if gpu is not None else ()
-        best = min(nics, key=lambda n: (*_affinity(n.pcie_path, node, n.numa_node, path), load[n.name],
-                                        -(n.speed_mbps or 0), n.name))
+        # Nearest first, then the fastest (not a slow management port), then the least used.
+        best = min(nics, key=lambda n: (*_affinity(n.pcie_path, node, n.numa_node, path), -(n.speed_mbps or 0),
+                                        load[n.name], n.name))
         load[best.name] += 1
         out.append(best.name)
     return out
@@ -281,10 +283,12 @@ def _ssd_dirs(machine: Machine, options: PlanOptions, gpus: Sequence[int | None]
             drive, fs = _file_system_of(machine, d)
             candidates.append((drive, fs, d))
     else:
-        seen: set[str] = set()
-        for drive, fs in machine.file_systems():
-            if fs.writable and drive.name not in seen and (fs.free_bytes or 0) > 0:
-                seen.add(drive.name)  # one directory per drive: bind mounts of it add nothing
+        for drive in machine.drives:
+            # One directory per drive, on its roomiest writable file system: bind mounts
+            # and other partitions of it add no bandwidth.
+            usable = [fs for fs in drive.file_systems if fs.writable and (fs.free_bytes or 0) > 0]
+            if usable:
+                fs = max(usable, key=lambda f: (f.free_bytes or 0, -len(f.mount_point)))
                 candidates.append((drive, fs, os.path.join(fs.mount_point, "ctr-lightning-ssd")))
     if not candidates:
         return [(None, 0)] * len(numa)
@@ -312,12 +316,21 @@ def _ssd_dirs(machine: Machine, options: PlanOptions, gpus: Sequence[int | None]
 
 def _file_system_of(machine: Machine, directory: str) -> tuple[Drive | None, FileSystem]:
     best: tuple[Drive | None, FileSystem] | None = None
-    path = os.path.abspath(directory)
+    path = os.path.realpath(directory)
     for drive, fs in machine.file_systems():
         mount = fs.mount_point.rstrip("/") or "/"
         if (path == mount or path.startswith(mount.rstrip("/") + "/")) and (
                 best is None or len(mount) > len(best[1].mount_point)):
             best = (drive, fs)
+    if best is None and machine.hostname == socket.gethostname():
+        # This machine, on a file system of no listed drive (a container's overlay root):
+        # the directory's own file system, as statvfs sees it.
+        existing = path
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        st = os.statvfs(existing)
+        best = (None, FileSystem(existing, "?", st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize,
+                                 os.access(existing, os.W_OK) and not st.f_flag & os.ST_RDONLY))
     if best is None:
         raise PlanError(f"ssd_dir {directory!r} is on no file system the machine description lists "
                         f"({[fs.mount_point for _, fs in machine.file_systems()]})")
@@ -333,9 +346,11 @@ def _dram_budgets(machine: Machine, options: PlanOptions, numa: Sequence[int | N
         if node is None:
             free = machine.free_memory_bytes
         else:
-            free = next(n.free_bytes for n in machine.numa_nodes if n.id == node)
-            if machine.memory_limit_bytes is not None and free is not None:
-                free = min(free, machine.memory_limit_bytes * free // max(machine.free_memory_bytes or free, 1))
+            free = next((n.free_bytes for n in machine.numa_nodes if n.id == node), None)
+            everywhere = sum(n.free_bytes or 0 for n in machine.numa_nodes)
+            if machine.memory_limit_bytes is not None and free is not None and everywhere:
+                # A cgroup's limit, shared out over the nodes as their free memory is.
+                free = min(free, machine.memory_limit_bytes * free // everywhere)
         if free is None:
             raise PlanError(f"free memory of NUMA node {node} is unknown: give the DRAM budget "
                             f"(device_bytes on CPU, host_bytes on GPU)")

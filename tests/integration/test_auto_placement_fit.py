@@ -70,3 +70,39 @@ def test_fit_with_storage_auto_logs_the_plan(tmp_path, in_process):
     assert "placement_plan/text_summary" in events.Tags()["tensors"]
     text = events.Tensors("placement_plan/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "estimated step" in text and "t_C26" in text and str(tmp_path / "ssd") in text
+
+
+AGREE_SCRIPT = r"""
+import json, os, sys
+import torch, torch.distributed as dist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from ctr_lightning.embedding import AutoStorage, SparseAdam
+from ctr_lightning.topology import PlanError
+from ctr_lightning.topology.auto_placement import place_tables
+
+rank = int(sys.argv[1])
+dist.init_process_group("gloo")
+tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=1000, feature_names=[f"f{i}"])
+          for i in range(3)]
+ssd = os.path.join(sys.argv[2], f"r{rank}")
+# The ranks ask for different shardings: rank 0's request holds for both.
+asked = "table_wise" if rank == 0 else "row_wise"
+placed = place_tables(tables, SparseAdam(), asked, AutoStorage(ssd_dirs=(ssd,), reserve_bytes=0), torch.device("cpu"),
+                      dist.group.WORLD)
+# Now only rank 1 cannot plan (no DRAM above its reserve): both ranks raise, neither waits.
+try:
+    place_tables(tables, SparseAdam(), "row_wise",
+                 AutoStorage(ssd_dirs=(ssd,), reserve_bytes=0 if rank == 0 else 1 << 50), torch.device("cpu"),
+                 dist.group.WORLD)
+    error = None
+except PlanError as err:
+    error = str(err)
+print("RESULT " + json.dumps({"rank": rank, "sharding": placed.plan.sharding(), "error": error}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_agree_on_sharding_and_fail_together(tmp_path, run_ranks):
+    ranks = run_ranks(AGREE_SCRIPT, [str(tmp_path)], world=2)
+    assert [r["sharding"] for r in ranks] == [{"t0": "table_wise", "t1": "table_wise", "t2": "table_wise"}] * 2
+    assert all(r["error"] and r["error"].startswith("storage auto, rank 1 of the group: NUMA node") for r in ranks)

@@ -30,6 +30,10 @@ def test_estimate_parts_add_up_and_reads_share_units():
 def test_published_rates_follow_the_machine():
     dgx = Machine.load(MACHINES / "dgx_a100.json")
     assert HardwareRates.for_machine(dgx, dgx.gpus[0]).name == "a100-80gb"
+    forty = dataclasses.replace(dgx.gpus[0], name="NVIDIA A100-SXM4-40GB", memory_bytes=40 << 30)
+    assert HardwareRates.for_machine(dgx, forty).name == "a100"
+    other = dataclasses.replace(dgx.gpus[0], name="Tesla V100-SXM2-32GB")
+    assert "standing in for 'Tesla V100-SXM2-32GB'" in HardwareRates.for_machine(dgx, other).name
     one, many = (HardwareRates.for_machine(dgx, None, cpus=n) for n in (1, 32))
     assert many.dense_flops == 32 * one.dense_flops and many.row_op_s == one.row_op_s / 32
     assert HardwareRates.for_machine(dgx, None, nic_mbps=200_000).inter_node_bw == 25e9

@@ -48,16 +48,27 @@ def test_reads_a_recorded_two_socket_tree(tmp_path):
     (sys / "class/net").mkdir(parents=True)
     os.symlink(nic / "net/ens5", sys / "class/net/ens5")
     os.symlink(sys / "devices/virtual/net/lo", sys / "class/net/lo")
+    # A RAID-0 of the NVMe drive (md0), mounted at a path with a space; a FAT boot partition.
+    _write(disk / "nvme0n1p2/partition", "2\n")
+    md = sys / "devices/virtual/block/md0"
+    (md / "slaves").mkdir(parents=True)
+    os.symlink(disk / "nvme0n1p2", md / "slaves/nvme0n1p2")
+    os.symlink(md, sys / "block/md0")
     _write(proc / "mounts", "sysfs /sys sysfs rw 0 0\n/dev/nvme0n1p1 /data ext4 rw,relatime 0 0\n"
-                            "/dev/nvme0n1p1 /data ext4 rw,relatime 0 0\n")
+                            "/dev/nvme0n1p1 /data ext4 rw,relatime 0 0\n/dev/nvme0n1p3 /boot/efi vfat rw 0 0\n"
+                            "/dev/md0 /big\\040raid xfs rw 0 0\n")
 
+    _write(disk / "nvme0n1p3/partition", "3\n")
     m = discover(sys, proc, gpus=False)
     assert [(n.id, n.cpus) for n in m.numa_nodes] == [(0, (0, 1, 2, 3, 8, 9, 10, 11)), (1, (4, 5, 6, 7, 12, 13, 14, 15))]
     assert m.numa_nodes[0].memory_bytes == 8000000 * 1024 and m.numa_nodes[0].free_bytes == 7000000 * 1024
-    [drive] = m.drives  # the loop device is not a drive
+    raid, drive = m.drives  # the loop device is not a drive
+    assert (raid.name, raid.kind, raid.numa_node, raid.pcie_path) == ("md0", "raid", 1, ("0000:80:01.0", "0000:81:00.0"))
+    assert [fs.mount_point for fs in raid.file_systems] == ["/big raid"]
     assert (drive.name, drive.kind, drive.numa_node, drive.rotational, drive.size_bytes) == (
         "nvme0n1", "nvme", 1, False, 2 * 10**9)
     assert drive.pcie_path == ("0000:80:01.0", "0000:81:00.0")
+    # The FAT boot partition is no place for an SSD tier.
     assert [(fs.mount_point, fs.fstype, fs.writable) for fs in drive.file_systems] == [("/data", "ext4", True)]
     [nic_] = m.nics
     assert (nic_.name, nic_.numa_node, nic_.speed_mbps, nic_.pcie_path) == ("ens5", 1, 25000, ("0000:80:01.0", "0000:82:00.0"))
