@@ -17,12 +17,14 @@ all-to-alls between two ranks on 127.0.0.1); then each candidate is planned
   E  2 ranks, table-wise, all in DRAM
 
 Each run fills every row first (no first-touch in the timed steps), warms up, then times
-``--steps`` steps (the median; the slowest rank's for 2 ranks). SSD candidates drop the
+``--steps`` steps (the median; the slowest rank's for 2 ranks). Calibration and runs are
+repeated ``--rounds`` times, each round's predictions from its own calibration, and the
+medians over rounds are compared (the speed of 2 shared cores drifts within minutes). SSD candidates drop the
 tier's pages from the page cache before every step, as for tables larger than RAM.
 Prints per candidate predicted and measured ms/step and examples/s, their ratio, the
 planner's choice against the fastest measured, and B / C.
 
-    python benchmarks/bench_planner.py [--rows 200000 --steps 8]
+    python benchmarks/bench_planner.py [--rows 200000 --steps 8 --rounds 3]
 """
 
 from __future__ import annotations
@@ -111,6 +113,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=200_000, help="rows a table")
     parser.add_argument("--batch", type=int, default=2048, help="examples a step a rank")
     parser.add_argument("--steps", type=int, default=8, help="timed steps a candidate")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds of calibration and runs; medians count (the 2 shared cores' speed drifts)")
     parser.add_argument("--dir", default="bench_out/planner", help="SSD files (deleted at the end)")
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
@@ -128,9 +132,44 @@ def run(args: argparse.Namespace, work: str) -> None:
     access = {t.name: TableAccess.zipf(t.num_embeddings, s) for t, s in zip(shape.tables, SKEWS)}
     total = sum(t.num_embeddings * shape.row_bytes(t) for t in shape.tables)
     print(f"{len(SKEWS)} tables of {rows} rows, Zipf exponents {SKEWS}, dim {DIM}, Adam "
-          f"({shape.row_bytes(shape.tables[0])} B a row, {total / 2**20:.0f} MiB), batch {args.batch} a rank",
-          flush=True)
+          f"({shape.row_bytes(shape.tables[0])} B a row, {total / 2**20:.0f} MiB), batch {args.batch} a rank, "
+          f"{args.rounds} rounds of calibration and runs", flush=True)
+    rounds = [one_round(args, os.path.join(work, f"round{i}"), machine, shape, rows, access, total)
+              for i in range(args.rounds)]
+    names = list(rounds[0]["predicted"])
+    pred = {n: float(np.median([r["predicted"][n] for r in rounds])) for n in names}
+    meas = {n: float(np.median([r["measured"][n] for r in rounds])) for n in names}
+    per_step = rounds[0]["examples_per_step"]
 
+    print()
+    print(f"medians over {args.rounds} rounds (each round's predicted / measured in brackets)")
+    print("| candidate | predicted ms/step | measured ms/step | predicted / measured | predicted examples/s "
+          "| measured examples/s | SSD rows read a step (predicted / measured) |")
+    print("|---|---|---|---|---|---|---|")
+    for n in names:
+        each = ", ".join(f"{r['predicted'][n] / r['measured'][n]:.2f}" for r in rounds)
+        ssd = np.median([r["ssd_measured"][n] for r in rounds])
+        print(f"| {n} | {pred[n] * 1e3:.1f} | {meas[n] * 1e3:.1f} | {pred[n] / meas[n]:.2f} ({each}) "
+              f"| {per_step[n] / pred[n]:,.0f} | {per_step[n] / meas[n]:,.0f} "
+              f"| {rounds[0]['ssd_predicted'][n]:,.0f} / {ssd:,.0f} |")
+    ex_pred = {n: per_step[n] / pred[n] for n in names}
+    ex_meas = {n: per_step[n] / meas[n] for n in names}
+    chosen, fastest = max(ex_pred, key=ex_pred.get), max(ex_meas, key=ex_meas.get)
+    print()
+    print(f"worst prediction error: {max(abs(pred[n] / meas[n] - 1) for n in names):.0%} (target <= 30%)")
+    print(f"planner's choice (highest predicted examples/s): {chosen}; fastest measured: {fastest}; "
+          f"choice / fastest measured: {ex_meas[chosen] / ex_meas[fastest]:.2f}x (target >= 0.90)")
+    print(f"2 ranks, sharding auto: the planner picks {sorted({k for r in rounds for k in r['auto_two']})}; "
+          f"measured row-wise / table-wise: {meas['E 2 ranks table-wise'] / meas['D 2 ranks row-wise']:.2f}x")
+    b, c = meas["B 10% DRAM, skew-aware"], meas["C 10% DRAM, uniform"]
+    print(f"skew-aware / uniform DRAM split (same budget): {c / b:.2f}x steps/s (target >= 1.1)")
+    sys.stdout.flush()
+
+
+def one_round(args: argparse.Namespace, work: str, machine: object, shape: ModelShape, rows: list[int],
+              access: dict, total: int) -> dict[str, dict]:
+    """Calibrate, then plan and run every candidate: a round's predictions and measurements."""
+    os.makedirs(work)
     start = time.perf_counter()
     rates2 = measure_rates(shape, threads=2, ssd_dir=work, rows=args.rows)
     print(f"calibration, 1 rank of 2 threads ({time.perf_counter() - start:.0f} s): fixed "
@@ -158,7 +197,7 @@ def run(args: argparse.Namespace, work: str) -> None:
         results[name] = run_placement(shape, rows, storage, p.sharding(), args.steps, cold, seed=10)
         print(f"  ran {name}: {results[name]['seconds'] * 1e3:.1f} ms/step", flush=True)
 
-    port = 29500 + os.getpid() % 1000
+    port = 29500 + (os.getpid() + int(time.time())) % 1000
     out = os.path.join(work, "two")
     links_probe = {"rows": args.rows, "runs": {}}
     for name, options in two.items():
@@ -181,30 +220,12 @@ def run(args: argparse.Namespace, work: str) -> None:
         results[name] = {"seconds": max(r[name]["seconds"] for r in ranks), "ssd_rows": 0.0}
         print(f"  ran {name}: {results[name]['seconds'] * 1e3:.1f} ms/step", flush=True)
     auto_two = plan(machine, shape, access, PlanOptions(ranks_per_node=2, device_bytes=2 * total), rates=rates_links)
-
-    print()
-    print("| candidate | predicted ms/step | measured ms/step | predicted / measured | predicted examples/s "
-          "| measured examples/s | SSD rows read a step (predicted / measured) |")
-    print("|---|---|---|---|---|---|---|")
-    errors = {}
-    for name, p in plans.items():
-        pred, meas = p.step_estimate.seconds, results[name]["seconds"]
-        errors[name] = pred / meas
-        ssd = p.step_estimate.ssd_rows
-        print(f"| {name} | {pred * 1e3:.1f} | {meas * 1e3:.1f} | {pred / meas:.2f} | {p.examples_per_step / pred:,.0f} "
-              f"| {p.examples_per_step / meas:,.0f} | {ssd:,.0f} / {results[name]['ssd_rows']:,.0f} |")
-    ex_pred = {n: p.examples_per_step / p.step_estimate.seconds for n, p in plans.items()}
-    ex_meas = {n: plans[n].examples_per_step / results[n]["seconds"] for n in plans}
-    chosen, fastest = max(ex_pred, key=ex_pred.get), max(ex_meas, key=ex_meas.get)
-    print()
-    print(f"worst prediction error: {max(abs(e - 1) for e in errors.values()):.0%} (target <= 30%)")
-    print(f"planner's choice (highest predicted examples/s): {chosen}; fastest measured: {fastest}; "
-          f"choice / fastest measured: {ex_meas[chosen] / ex_meas[fastest]:.2f}x (target >= 0.90)")
-    print(f"2 ranks, sharding auto: the planner picks {sorted(set(auto_two.sharding().values()))}; measured "
-          f"row-wise / table-wise: {results['E 2 ranks table-wise']['seconds'] / results['D 2 ranks row-wise']['seconds']:.2f}x")
-    b, c = results["B 10% DRAM, skew-aware"]["seconds"], results["C 10% DRAM, uniform"]["seconds"]
-    print(f"skew-aware / uniform DRAM split (same budget): {c / b:.2f}x steps/s (target >= 1.1)")
-    sys.stdout.flush()
+    return {"predicted": {n: p.step_estimate.seconds for n, p in plans.items()},
+            "measured": {n: results[n]["seconds"] for n in plans},
+            "ssd_predicted": {n: p.step_estimate.ssd_rows for n, p in plans.items()},
+            "ssd_measured": {n: results[n]["ssd_rows"] for n in plans},
+            "examples_per_step": {n: p.examples_per_step for n, p in plans.items()},
+            "auto_two": set(auto_two.sharding().values())}
 
 
 if __name__ == "__main__":
