@@ -115,6 +115,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         # storage auto: the tiers are planned when the collection is built, on the rank that
         # holds them; until then it is set up with every row in memory.
         self._auto_storage = storage if isinstance(storage, AutoStorage) else None
+        self._placement_inputs: tuple[int, Mapping[str, Any] | None] = (4096, None)  # batch size, access
         self.placement: Placement | None = None
         self._setup = TableSetup.build(tables, None if self._auto_storage else storage, optimizer, id_space,
                                        is_weighted, device, seed, kernel, module_name=type(self).__name__)
@@ -185,6 +186,11 @@ class TieredEmbeddingBagCollection(nn.Module):
             self._engine = LocalTables(self._tables, self._setup)
         return self._engine
 
+    @property
+    def auto_storage(self) -> AutoStorage | None:
+        """The :class:`AutoStorage` the tiers are planned with, or None (set by hand)."""
+        return self._auto_storage
+
     def plan_placement(self, batch_size: int = 4096, access: Mapping[str, Any] | None = None) -> Placement | None:
         """Under ``storage="auto"``, plan this rank's tiers now (collective across ranks),
         with the data's ``batch_size`` per rank and measured ``access`` profiles
@@ -204,7 +210,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             return plan_sharding(self._tables, world, self._sharding)
         from ctr_lightning.topology.auto_placement import place_tables
 
-        batch_size, access = getattr(self, "_placement_inputs", (4096, None))
+        batch_size, access = self._placement_inputs
         self.placement = place_tables(self._tables, self._setup.optimizer, self._sharding, self._auto_storage,
                                       self._setup.device, process_group, batch_size, access, self._sparse_sync,
                                       self._merge_schedule.k if self._sparse_sync == "k_step" else 1)

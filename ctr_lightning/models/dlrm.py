@@ -118,7 +118,7 @@ class DLRMModule(pl.LightningModule):
     def _place_tables(self) -> Any:
         """Plan the tables' tiers under ``storage: auto``, with the data's batch size and, when
         asked, id counts of its first batches."""
-        auto = self.embeddings._auto_storage
+        auto = self.embeddings.auto_storage
         if auto is None:
             return None
         datamodule = getattr(self.trainer, "datamodule", None)

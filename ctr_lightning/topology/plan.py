@@ -182,9 +182,15 @@ def _size(n: float) -> str:
 def _cpus(cpus: Sequence[int]) -> str:
     if not cpus:
         return "-"
-    runs, start = [], cpus[0]
-    for a, b in zip(cpus, [*cpus[1:], None]):
-        if b != a + 1:
-            runs.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(runs)
+    return ",".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in cpu_runs(cpus))
+
+
+def cpu_runs(cpus: Sequence[int]) -> list[list[int]]:
+    """The runs of consecutive CPU numbers, in order: ``[0, 1, 2, 8, 9]`` -> ``[[0, 1, 2], [8, 9]]``."""
+    runs: list[list[int]] = []
+    for c in cpus:
+        if runs and c == runs[-1][-1] + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return runs

@@ -19,7 +19,7 @@ from ctr_lightning.embedding.sparse_update import state_width
 from ctr_lightning.topology.access_profile import TableAccess
 from ctr_lightning.topology.cost_model import HardwareRates, StepEstimate, TableLoad, estimate_step
 from ctr_lightning.topology.machine import Drive, FileSystem, Machine
-from ctr_lightning.topology.plan import Plan, PlanError, RankPlacement, TablePlacement
+from ctr_lightning.topology.plan import Plan, PlanError, RankPlacement, TablePlacement, cpu_runs
 
 SSD_OVERHEAD = 1.5  # the SSD log's files stay under 1.5x the live rows (issue 17)
 SSD_TYPICAL = 1.3  # and hold about 1.3x once cleaning runs
@@ -229,21 +229,11 @@ def _cpu_sets(machine: Machine, numa: Sequence[int | None]) -> list[tuple[int, .
         # Each contiguous run split in turn: Linux numbers a core's second hardware thread
         # in a later run (48-63 and 176-191), so a rank gets whole cores.
         mine: list[int] = []
-        for run in _runs(pools[node]):
+        for run in cpu_runs(pools[node]):
             lo, hi = len(run) * k // len(peers), len(run) * (k + 1) // len(peers)
             mine += run[lo:hi]
         out.append(tuple(mine or pools[node][k % len(pools[node]):][:1]))
     return out
-
-
-def _runs(cpus: Sequence[int]) -> list[list[int]]:
-    runs: list[list[int]] = []
-    for c in cpus:
-        if runs and c == runs[-1][-1] + 1:
-            runs[-1].append(c)
-        else:
-            runs.append([c])
-    return runs
 
 
 def _affinity(path: Sequence[str], numa: int | None, device_numa: int | None, device_path: Sequence[str]) -> tuple:
@@ -406,19 +396,20 @@ class _Pricing:
         self.shape, self.access, self.ranks, self.rpn = shape, access, ranks, rpn
         self.accelerator, self.skew_aware, self.rates = accelerator, skew_aware, rates
         self.world = len(ranks)
-        self._unique: dict[tuple[str, float, int], float] = {}
+        # Ranks of one sharding, and shardings tried one after another, ask the same questions.
+        self._answers: dict[tuple[str, str, float, int], float] = {}
 
     def unique(self, table: str, lookups: float, skip: int = 0) -> float:
-        key = (table, lookups, skip)  # ranks of one sharding ask the same questions
-        if key not in self._unique:
-            self._unique[key] = self.access[table].unique(lookups, skip)
-        return self._unique[key]
+        return self._ask("unique", table, lookups, skip)
 
     def misses(self, table: str, lookups: float, cache_rows: int) -> float:
-        key = (table, lookups, -1 - cache_rows)
-        if key not in self._unique:
-            self._unique[key] = self.access[table].lru_misses(lookups, cache_rows)
-        return self._unique[key]
+        return self._ask("lru_misses", table, lookups, cache_rows)
+
+    def _ask(self, question: str, table: str, lookups: float, rows: int) -> float:
+        key = (question, table, lookups, rows)
+        if key not in self._answers:
+            self._answers[key] = getattr(self.access[table], question)(lookups, rows)
+        return self._answers[key]
 
     def price(self, sharding: Mapping[str, TableSharding]) -> tuple[tuple[TablePlacement, ...], tuple[StepEstimate, ...]]:
         shape, world = self.shape, self.world
