@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import shutil
+import shlex
 import subprocess
 import sys
 import time
@@ -80,11 +81,18 @@ try:  # the recorder is loaded by the CLI (class_path bench_out_of_core.StepReco
             self._end = end
             if trainer.global_step % self.every == 0:
                 record["storage"], record["counters"] = _stats(self._collections)
+                record["process"] = _process_counters()
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
 
         def on_train_end(self, trainer, module):
             self._file.close()
+
+    def _process_counters() -> dict[str, float]:
+        """Bytes this process read from the disk (page-cache misses) and its CPU seconds."""
+        io = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines() if line)
+        cpu = os.times()
+        return {"disk_read_bytes": int(io["read_bytes"]), "cpu_s": cpu.user + cpu.system, "system_s": cpu.system}
 
     def _peak_resident() -> int:
         """The process's peak resident memory since the last :func:`_reset_peak`."""
@@ -250,11 +258,30 @@ def report(out_log: Path, mem_log: Path | None, new_rows: tuple[float, float] | 
     rows.append((f"speed: steps/s last 10% / first 10% once DRAM is full (step {full} on)",
                  f"{np.median(settled) / np.median(last):.2f}x ({1 / np.median(last):.2f} vs "
                  f"{1 / np.median(settled):.2f} steps/s)"))
+    # Where the time of the first and the last 10% went, per 100 steps.
+    timed = [s for s in snapshots if "process" in s]
+    for name, part in (("first 10%", steps[warm : warm + tenth]), ("last 10%", steps[-tenth:])):
+        inside = [s for s in timed if part[0]["step"] <= s["step"] <= part[-1]["step"]]
+        if len(inside) < 2:
+            continue
+        a, b = inside[0], inside[-1]
+        n = b["step"] - a["step"]
+        wall = sum(s["wall"] for s in steps if a["step"] < s["step"] <= b["step"])
+        per = {k: (b["counters"].get(k, 0) - a["counters"].get(k, 0)) / 1e6 * 100 / n
+               for k in ("ssd_wait_us", "evict_us", "ssd_stall_us", "ssd_write_us", "ssd_clean_us")}
+        proc = {k: (b["process"][k] - a["process"][k]) * 100 / n for k in ("cpu_s", "system_s")}
+        disk = (b["process"]["disk_read_bytes"] - a["process"]["disk_read_bytes"]) / n / 2**20
+        rows.append((f"  {name}, s per 100 steps: wall; CPU (of it system); SSD wait, evict, write stall; "
+                     "writer's writes, cleaning; disk MiB read a step",
+                     f"{wall * 100 / n:.1f}; {proc['cpu_s']:.1f} ({proc['system_s']:.1f}); "
+                     + ", ".join(f"{v:.1f}" for v in per.values()) + f"; {disk:.1f}"))
     if mem_log is not None:
         memory = np.array([s["wall"] for s in load(mem_log)])[warm:]
         rows.append(("speed: first 10% / all rows in memory (target >= 0.7)",
                      f"{np.median(memory) / np.median(first):.2f}x ({1 / np.median(first):.2f} vs "
                      f"{1 / np.median(memory):.2f} steps/s)"))
+        rows.append((f"speed: first 10% once DRAM is full (step {full} on) / all rows in memory",
+                     f"{np.median(memory) / np.median(settled):.2f}x"))
     disk = max(s["ssd_bytes"] / s["ssd_live_bytes"] for s in grown)
     rows.append(("disk: SSD files / live rows (max over the run; target <= 1.5)", f"{disk:.2f}x"))
     worst = int(np.argmax(seconds[warm:])) + warm
@@ -289,8 +316,11 @@ def main() -> None:
     parser.add_argument("--new-rows-rows", type=int, default=2_000_000)
     parser.add_argument("--keep", action="store_true", help="keep the SSD files and logs")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: memory,new_rows,checkpoint")
+    parser.add_argument("--fit-args", default="", help="more overrides for every fit, e.g. a smaller stream for "
+                                                       "a scaled run: '--data.init_args.head_size=250000'")
     args = parser.parse_args()
     work = Path(args.dir)
+    more = shlex.split(args.fit_args)
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
@@ -305,7 +335,7 @@ def main() -> None:
                            "init_args": {"path": str(work / "saves.json"), "dirpath": str(work / "ckpt")}}]
         seconds = run_fit(work, "out_of_core", [
             f"--model.storage.device_bytes={args.device_bytes}", f"--model.storage.ssd_dir={work / 'ssd'}",
-            f"--trainer.callbacks={json.dumps(callbacks)}"])
+            f"--trainer.callbacks={json.dumps(callbacks)}", *more])
         print(f"out-of-core run: {seconds / 60:.1f} min")
         shutil.rmtree(work / "ssd", ignore_errors=True)
         if "checkpoint" not in skip:
@@ -316,7 +346,7 @@ def main() -> None:
             run_fit(work, "resumed", [
                 f"--model.storage.device_bytes={args.device_bytes}", f"--model.storage.ssd_dir={work / 'ssd_resumed'}",
                 f"--ckpt_path={work / 'ckpt' / 'incremental.ckpt'}", f"--trainer.max_steps={steps_done + 5}",
-                f"--trainer.callbacks={json.dumps([timer])}"])
+                f"--trainer.callbacks={json.dumps([timer])}", *more])
             report_checkpoints(work / "saves.json", resume, budget=26 * args.device_bytes)
             print("(the steps that took them are left out of the figures below)")
             shutil.rmtree(work / "ssd_resumed", ignore_errors=True)
@@ -328,7 +358,8 @@ def main() -> None:
             tenth = max(1, (steps - min(20, steps // 10)) // 10) + min(20, steps // 10)
             run_fit(work, "in_memory", ["--model.storage.device_bytes=null", "--model.storage.host_rows=null",
                                         "--model.storage.ssd_dir=null", f"--trainer.max_steps={tenth}",
-                                        f"--trainer.callbacks={json.dumps(_callbacks(None, mem_log, prefetch=False))}"])
+                                        f"--trainer.callbacks={json.dumps(_callbacks(None, mem_log, prefetch=False))}",
+                                        *more])
         new_rows = None if "new_rows" in skip else new_row_steps(work, args.new_rows_rows, 100_000, 5)
         saves = work / "saves.json"
         exclude = {r["step"] + 1 for r in json.loads(saves.read_text()).values()} if saves.exists() else set()

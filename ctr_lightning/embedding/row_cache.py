@@ -107,12 +107,14 @@ class RowCache:
         self.device = torch.device(device)
         self.capacity = np.array([-1 if c is None else c for c in capacities], dtype=np.int64)
         self.lfu = np.array(lfu, dtype=bool)
-        self.index = KeyIndex(parallel=True)  # read by the training thread only
+        # A fully bounded tier reserves its whole budget; others start from the hint and grow.
+        bounded = (self.capacity >= 0).all()
+        # The index too: growing it means touching every page of a table twice the size,
+        # seconds for millions of rows, in the middle of the step that fills the tier.
+        self.index = KeyIndex(int(self.capacity.sum()) if bounded else 1024, parallel=True)  # training thread only
         self.occupancy = np.zeros(len(capacities), dtype=np.int64)
         self.clock = 0
         self.unbounded = bool((self.capacity < 0).all())
-        # A fully bounded tier reserves its whole budget; others start from the hint and grow.
-        bounded = (self.capacity >= 0).all()
         self._allocate(int(self.capacity.sum()) if bounded else max(reserve_rows, 16))
 
     def _allocate(self, slots: int) -> None:

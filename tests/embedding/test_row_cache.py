@@ -54,3 +54,11 @@ def test_the_collection_keeps_a_hot_row_through_a_scan_under_lfu_only(tmp_path, 
     from_device = after["device_hits"] - before["device_hits"]
     from_ssd = after["ssd_hits"] - before["ssd_hits"]
     assert (from_device, from_ssd) == ((1, 0) if eviction == "lfu" else (0, 1))
+
+
+def test_a_bounded_tier_never_grows_its_index_while_it_fills():
+    cache = RowCache(2, [30_000], [False], "cpu")
+    size = len(cache.index._keys)
+    for start in range(0, 60_000, 5_000):  # fills, then evicts and refills
+        _put(cache, list(range(start, start + 5_000)))
+    assert len(cache.index._keys) == size and len(cache.index) > 25_000
