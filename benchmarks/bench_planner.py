@@ -15,6 +15,9 @@ all-to-alls between two ranks on 127.0.0.1); then each candidate is planned
   C  1 rank, 10% in DRAM split in proportion to the tables' sizes (uniform), the rest on SSD
   D  2 ranks (gloo, one thread each), row-wise, all in DRAM
   E  2 ranks, table-wise, all in DRAM
+  F  2 ranks, the large tables row-wise and the four small ones data-parallel (a replica
+     on each rank), all in DRAM
+  G  2 ranks, each table sharded as the planner picks (``sharding: auto``), all in DRAM
 
 Each run fills every row first (no first-touch in the timed steps), warms up, then times
 ``--steps`` steps (the median; the slowest rank's for 2 ranks). Calibration and runs are
@@ -160,7 +163,9 @@ def run(args: argparse.Namespace, work: str) -> None:
     print(f"planner's choice (highest predicted examples/s): {chosen}; fastest measured: {fastest}; "
           f"choice / fastest measured: {ex_meas[chosen] / ex_meas[fastest]:.2f}x (target >= 0.90)")
     print(f"2 ranks, sharding auto: the planner picks {sorted({k for r in rounds for k in r['auto_two']})}; "
-          f"measured row-wise / table-wise: {meas['E 2 ranks table-wise'] / meas['D 2 ranks row-wise']:.2f}x")
+          f"measured row-wise / table-wise: {meas['E 2 ranks table-wise'] / meas['D 2 ranks row-wise']:.2f}x, "
+          f"small tables replicated / all row-wise: "
+          f"{meas['D 2 ranks row-wise'] / meas['F 2 ranks, small tables replicated']:.2f}x")
     b, c = meas["B 10% DRAM, skew-aware"], meas["C 10% DRAM, uniform"]
     print(f"skew-aware / uniform DRAM split (same budget): {c / b:.2f}x steps/s (target >= 1.1)")
     sys.stdout.flush()
@@ -186,6 +191,10 @@ def one_round(args: argparse.Namespace, work: str, machine: object, shape: Model
     two = {
         "D 2 ranks row-wise": PlanOptions(ranks_per_node=2, device_bytes=2 * total, sharding="row_wise"),
         "E 2 ranks table-wise": PlanOptions(ranks_per_node=2, device_bytes=2 * total, sharding="table_wise"),
+        "F 2 ranks, small tables replicated": PlanOptions(
+            ranks_per_node=2, device_bytes=2 * total,
+            sharding={t.name: "data_parallel" if share < 1 else "row_wise" for t, (share, _) in zip(shape.tables, TABLES)}),
+        "G 2 ranks, sharding auto": PlanOptions(ranks_per_node=2, device_bytes=2 * total),
     }
     results: dict[str, dict] = {}
     plans = {}
@@ -216,9 +225,12 @@ def one_round(args: argparse.Namespace, work: str, machine: object, shape: Model
           f"{rates_links.example_op_s * 1e9:.0f} ns an example's feature routed, "
           f"{rates_links.bag_op_s * 1e9:.0f} ns a bag pooled for the other rank", flush=True)
     for name, options in two.items():
-        plans[name] = plan(machine, shape, access, options, rates=rates_links)
+        # Priced as run: G's sharding was picked before the links were measured.
+        ran = dataclasses.replace(options, sharding=links_probe["runs"][name][0])
+        plans[name] = plan(machine, shape, access, ran, rates=rates_links)
         results[name] = {"seconds": max(r[name]["seconds"] for r in ranks), "ssd_rows": 0.0}
-        print(f"  ran {name}: {results[name]['seconds'] * 1e3:.1f} ms/step", flush=True)
+        print(f"  ran {name}: {results[name]['seconds'] * 1e3:.1f} ms/step"
+              + (f" ({sorted(set(plans[name].sharding().values()))})" if name.startswith("G") else ""), flush=True)
     auto_two = plan(machine, shape, access, PlanOptions(ranks_per_node=2, device_bytes=2 * total), rates=rates_links)
     return {"predicted": {n: p.step_estimate.seconds for n, p in plans.items()},
             "measured": {n: results[n]["seconds"] for n in plans},

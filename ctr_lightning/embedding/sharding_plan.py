@@ -1,4 +1,5 @@
-"""Which rank owns which rows: row-wise (by a hash of the id) or table-wise, per table."""
+"""Which rank owns which rows: row-wise (by a hash of the id), table-wise, or every rank
+(data-parallel replicas), per table."""
 
 from __future__ import annotations
 
@@ -12,15 +13,17 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from ctr_lightning.checkpoint_safe import checkpoint_safe
 
-ShardingKind = Literal["row_wise", "table_wise"]
-SHARDING_KINDS = ("row_wise", "table_wise")
+ShardingKind = Literal["row_wise", "table_wise", "data_parallel"]
+SHARDING_KINDS = ("row_wise", "table_wise", "data_parallel")
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 
 
 @checkpoint_safe
 @dataclass(frozen=True)
 class TableSharding:
-    """How one table is split over ranks: ``row_wise`` over all ranks, or whole on ``owner``."""
+    """How one table is split over ranks: ``row_wise`` over all ranks, whole on ``owner``
+    (``table_wise``), or whole on every rank (``data_parallel``: small hot tables, whose
+    lookups then stay local; every replica applies the update of the global batch)."""
 
     kind: ShardingKind
     owner: int = -1  # the rank holding a table_wise table
@@ -33,8 +36,8 @@ def plan_sharding(
 ) -> dict[str, TableSharding]:
     """Per table name, its :class:`TableSharding`.
 
-    ``sharding`` is ``"row_wise"``, ``"table_wise"``, ``"auto"``, or a dict table name ->
-    one of those. ``"auto"`` shards row-wise each table larger than an even share of all
+    ``sharding`` is ``"row_wise"``, ``"table_wise"``, ``"data_parallel"``, ``"auto"``, or a
+    dict table name -> one of those. ``"auto"`` shards row-wise each table larger than an even share of all
     rows (``num_embeddings * embedding_dim`` over ``world_size``), since no single rank
     should hold it; the others go table-wise. Table-wise tables are placed largest first
     on the least loaded rank.
@@ -59,12 +62,13 @@ def plan_sharding(
         if kind == "auto":
             kinds[name] = "row_wise" if world_size > 1 and sizes[name] > even_share else "table_wise"
         elif kind not in SHARDING_KINDS:
-            raise ValueError(f"table {name!r}: sharding must be 'row_wise', 'table_wise' or 'auto', got {kind!r}")
+            raise ValueError(f"table {name!r}: sharding must be one of {list(SHARDING_KINDS)} or 'auto', "
+                             f"got {kind!r}")
     load = np.zeros(world_size)
     for name in names:
         if kinds[name] == "row_wise":
             load += sizes[name] / world_size
-    plan = {name: TableSharding("row_wise") for name in names if kinds[name] == "row_wise"}
+    plan = {name: TableSharding(kinds[name]) for name in names if kinds[name] in ("row_wise", "data_parallel")}
     for name in sorted((n for n in names if kinds[n] == "table_wise"), key=lambda n: (-sizes[n], n)):
         owner = int(np.argmin(load))
         load[owner] += sizes[name]
@@ -83,4 +87,6 @@ def owned_mask(sharding: TableSharding, ids: torch.Tensor, world_size: int, rank
     """Which of ``ids`` of a table sharded as ``sharding`` rank ``rank`` holds."""
     if sharding.kind == "row_wise":
         return row_owner(ids, world_size) == rank
+    if sharding.kind == "data_parallel":
+        return torch.ones(ids.shape, dtype=torch.bool)
     return torch.full(ids.shape, sharding.owner == rank, dtype=torch.bool)

@@ -139,6 +139,13 @@ class TableSetup:
                    for name, s in self.storage.items()}
         return dataclasses.replace(self, storage=storage)
 
+    def in_subdirectory(self, name: str) -> TableSetup:
+        """The same, with each SSD directory moved to a ``name`` subdirectory: another set
+        of tables of this process (a rank's data-parallel replicas) must not share SSD files."""
+        storage = {table: s if s.ssd_dir is None else dataclasses.replace(s, ssd_dir=os.path.join(s.ssd_dir, name))
+                   for table, s in self.storage.items()}
+        return dataclasses.replace(self, storage=storage)
+
     def in_memory(self) -> TableSetup:
         """The same, with every table held whole in the device tier."""
         return dataclasses.replace(self, storage={name: StorageConfig() for name in self.storage})

@@ -176,15 +176,17 @@ def prepare_directory(directory: str | os.PathLike) -> Path:
 
 
 def write_shard(engine, directory: str | os.PathLike, rank: int = 0, chunk_rows: int = 1 << 16,
-                steps: dict[str, int] | None = None, changed_only: bool = False) -> ShardFiles:
+                steps: dict[str, int] | None = None, changed_only: bool = False,
+                prefix: str | None = None) -> ShardFiles:
     """Stream every row a :class:`LocalTables` engine holds into ``directory`` (one file per
-    table group, named for ``rank``), or with ``changed_only`` those that may have changed
-    since the engine's last snapshot; ``steps`` overrides the engine's step counts."""
+    table group, named for ``rank`` or ``prefix``), or with ``changed_only`` those that may
+    have changed since the engine's last snapshot; ``steps`` overrides the engine's step counts."""
     files, step_counts, tables = [], {}, {}
+    prefix = prefix or f"rank{rank}"
     for g, group in enumerate(engine.groups):
-        name = f"rank{rank}-group{g}.rows"
+        name = f"{prefix}-group{g}.rows"
         ssd = group.tiers.ssd
-        share = (SegmentSetWriter(Path(directory) / f"rank{rank}-group{g}.segments", group.names, group.width,
+        share = (SegmentSetWriter(Path(directory) / f"{prefix}-group{g}.segments", group.names, group.width,
                                   ssd.record_bytes)
                  if isinstance(ssd, SsdLog) and can_share(ssd.directory, directory) else None)
         with RowFileWriter(Path(directory) / name, group.names, group.width) as out:

@@ -60,10 +60,13 @@ class TieredEmbeddingBagCollection(nn.Module):
         kernel: ``"numba"`` (fused CPU kernels, the default on CPU), ``"torch"`` (generic
             torch ops, the default on CUDA), or ``"auto"``.
         sharding: under torch.distributed with more than one rank, how tables are split:
-            ``"row_wise"`` (by a hash of the id), ``"table_wise"``, ``"auto"`` (see
+            ``"row_wise"`` (by a hash of the id), ``"table_wise"``, ``"data_parallel"`` (a
+            replica on every rank: for small hot tables), ``"auto"`` (see
             :func:`plan_sharding`; under ``storage="auto"``, the planner's cost model picks
             per table), or a dict table name -> kind. Each rank passes its own
-            batch; ids travel to their owners and pooled rows back (torchrec all-to-alls).
+            batch; ids travel to their owners and pooled rows back (torchrec all-to-alls);
+            a data-parallel table is looked up in this rank's replica, and the ranks
+            all-gather its row gradients, so every replica applies the same update.
             Each rank's SSD files go into ``<ssd_dir>/rank<r>``.
         process_group: the ranks to shard over; default all, in a group of their own.
         sparse_sync: when sharded, ``"step"`` (ids and pooled rows travel every step) or
@@ -120,7 +123,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._setup = TableSetup.build(tables, None if self._auto_storage else storage, optimizer, id_space,
                                        is_weighted, device, seed, kernel, module_name=type(self).__name__)
         if isinstance(sharding, str) and sharding not in (*SHARDING_KINDS, "auto"):
-            raise ValueError(f"sharding must be 'row_wise', 'table_wise', 'auto' or a dict, got {sharding!r}")
+            raise ValueError(f"sharding must be one of {list(SHARDING_KINDS)}, 'auto' or a dict, got {sharding!r}")
         if sparse_sync not in ("step", "k_step"):
             raise ValueError(f"sparse_sync must be 'step' or 'k_step', got {sparse_sync!r}")
         if sync_every is not None and sync_every < 1:

@@ -414,8 +414,8 @@ class _Pricing:
     def price(self, sharding: Mapping[str, TableSharding]) -> tuple[tuple[TablePlacement, ...], tuple[StepEstimate, ...]]:
         shape, world = self.shape, self.world
         shards = {t.name: (world if sharding[t.name].kind == "row_wise" else 1) for t in shape.tables}
-        holders = {t.name: (list(range(world)) if sharding[t.name].kind == "row_wise" else [sharding[t.name].owner])
-                   for t in shape.tables}
+        holders = {t.name: (list(range(world)) if sharding[t.name].kind in ("row_wise", "data_parallel")
+                            else [sharding[t.name].owner]) for t in shape.tables}
         device = self._split([r.device_bytes for r in self.ranks], shards, holders)
         cached = self._split([r.device_bytes + r.host_bytes for r in self.ranks], shards, holders)
         placements = []
@@ -513,11 +513,15 @@ class _Pricing:
             t, acc = configs[p.name], self.access[p.name]
             dim = t.embedding_dim
             global_lookups = b * world * acc.pooling
+            replica = p.sharding.kind == "data_parallel" and world > 1
             if rank in holders[p.name]:
                 n = world if p.sharding.kind == "row_wise" else 1
+                # A replica pools its own batch, then steps one bag a rank's distinct id.
+                lookups = (b * acc.pooling + world * self.unique(p.name, b * acc.pooling) if replica
+                           else global_lookups / n)
                 # The tiers are LRU caches: their misses by Che's approximation.
                 loads.append(TableLoad(
-                    p.name, global_lookups / n, self.unique(p.name, global_lookups) / n,
+                    p.name, lookups, self.unique(p.name, global_lookups) / n,
                     self.misses(p.name, global_lookups, p.device_rows * n) / n,
                     self.misses(p.name, global_lookups, (p.device_rows + p.host_rows) * n) / n, p.row_bytes, dim,
                     p.ssd_rows * p.row_bytes * SSD_TYPICAL))
@@ -526,6 +530,8 @@ class _Pricing:
             ids = b * acc.pooling * 8
             if p.sharding.kind == "row_wise":
                 sent += ids * (world - 1) / world + 2 * (world - 1) * b * dim * 4
+            elif replica:  # each rank's distinct ids and their row gradients, to every rank
+                sent += (world - 1) * self.unique(p.name, b * acc.pooling) * (8 + dim * 4)
             elif p.sharding.owner == rank:
                 sent += (world - 1) * b * dim * 4
             else:
@@ -544,21 +550,30 @@ class _Pricing:
         intra = sent * (1 - remote) + dense * (1 - remote)
         inter = sent * remote + dense * remote / k
         collectives = (4 if shape.sparse_sync == "step" else 1) + 1 if world > 1 else 0
+        replicas = [p for p in placements if p.sharding.kind == "data_parallel"]
+        if world > 1 and shape.sparse_sync == "step" and replicas:
+            collectives += 3  # the replicas' gradients: counts, ids, rows (all-gathers)
         bags = routed = 0.0
         if world > 1 and shape.sparse_sync == "step":
             features = {t.name: len(t.feature_names) for t in shape.tables}
-            bags = sum(b * world * features[p.name] for p in placements if rank in holders[p.name])
-            routed = b * sum(features.values())
-            bags -= routed
+            # Beyond one bag an example and feature of its own batch: a shard pools every
+            # rank's examples; a replica its own, and one bag a rank's distinct id to step.
+            bags = sum(b * world * features[p.name] for p in placements
+                       if rank in holders[p.name] and p not in replicas)
+            bags += sum(b * features[p.name] + world * self.unique(p.name, b * self.access[p.name].pooling)
+                        for p in replicas)
+            bags -= b * sum(features.values())
+            routed = b * sum(features[p.name] for p in placements if p not in replicas)
         return estimate_step(self.rates, loads, shape.dense_flops_per_example * b, intra, inter, collectives,
                              host_tier=self.accelerator == "gpu", extra_bags=bags, routed=routed)
 
 
 def _choose_sharding(shape: ModelShape, world: int, requested: str | Mapping[str, str],
                      cost: _Pricing) -> dict[str, TableSharding]:
-    """The requested sharding; for ``"auto"`` tables, the size rule of
-    :func:`plan_sharding` first, then each table flipped between row-wise and table-wise
-    (largest first) wherever the slowest rank's estimate drops."""
+    """The requested sharding; for ``"auto"`` tables, the best for the slowest rank's
+    estimate of the size rule of :func:`plan_sharding` and of every such table row-wise,
+    table-wise or data-parallel (a replica on every rank, where it fits), then each table
+    (largest first) moved to whichever of those kinds lowers that estimate."""
     if isinstance(requested, str) and requested != "auto":
         return plan_sharding(shape.tables, world, requested)
     fixed = dict(requested) if isinstance(requested, Mapping) else {}
@@ -574,11 +589,19 @@ def _choose_sharding(shape: ModelShape, world: int, requested: str | Mapping[str
         except PlanError:
             return math.inf
 
-    best = worst(kinds)
+    replicable = shape.sparse_sync == "step"  # k-step tables are replicas of what a rank touches already
+    choices = ("row_wise", "table_wise") + (("data_parallel",) if replicable else ())
+    # Every free table alike first: a kind's fixed costs (its collectives) may pay only
+    # once several tables share them, which single moves would never find.
+    kinds, best = min(((k, worst(k)) for k in [kinds] + [{**kinds, **{n: c for n in free}} for c in choices]),
+                      key=lambda pair: pair[1])
     sizes = {t.name: t.num_embeddings * t.embedding_dim for t in shape.tables}
     for name in sorted(free, key=lambda n: -sizes[n]):
-        flipped = {**kinds, name: "table_wise" if kinds[name] == "row_wise" else "row_wise"}
-        cost_flipped = worst(flipped)
-        if cost_flipped < best:
-            kinds, best = flipped, cost_flipped
+        for kind in choices:
+            if kind == kinds[name]:
+                continue
+            moved = {**kinds, name: kind}
+            cost_moved = worst(moved)
+            if cost_moved < best:
+                kinds, best = moved, cost_moved
     return plan_sharding(shape.tables, world, kinds)

@@ -64,7 +64,10 @@ ids = {t.name: torch.arange(0, t.num_embeddings * 7919, 7919) for t in TABLES}
 result = {}
 for label, sharding, sync, reshard in (("row_wise", "row_wise", "step", "table_wise"),
                                         ("table_wise", "table_wise", "step", "row_wise"),
-                                        ("k_step", "row_wise", "k_step", "table_wise")):
+                                        ("k_step", "row_wise", "k_step", "table_wise"),
+                                        # t0 and t1 share a table group (dim 8): rank 1 leaves t1 out
+                                        ("replicas", {"t0": "row_wise", "t1": "data_parallel", "t2": "data_parallel"},
+                                         "step", "row_wise")):
     ebc = make(sharding, sync, label, 80)
     train(ebc, range(STEPS))
     snap = os.path.join(out_dir, "snap_" + label)
@@ -84,7 +87,7 @@ for label, sharding, sync, reshard in (("row_wise", "row_wise", "step", "table_w
         torch.save(saved, os.path.join(out_dir, f"rows_{label}.pt"))
 
 # A snapshot one process saved loads into both ranks, each keeping the rows it owns.
-for sharding in ("row_wise", "table_wise"):
+for sharding in ("row_wise", "table_wise", "data_parallel"):
     two = make(sharding, "step", "from_one_" + sharding, 150)
     two.load_tables(os.path.join(out_dir, "snap_one"))
     expected = torch.load(os.path.join(out_dir, "rows_one.pt"))
@@ -120,14 +123,16 @@ def test_two_ranks_save_their_own_rows_and_the_snapshot_loads_anywhere(tmp_path,
     torch.save({t.name: one.rows(t.name, torch.arange(0, t.num_embeddings * 7919, 7919)) for t in TABLES},
                tmp_path / "rows_one.pt")
     results = run_ranks(RANK_SCRIPT, [str(tmp_path), "{port}"], world=2, ddp_env=False)
-    assert all(r["from_one_row_wise"] and r["from_one_table_wise"] for r in results)
-    for label in ("row_wise", "table_wise", "k_step"):
+    assert all(r["from_one_row_wise"] and r["from_one_table_wise"] and r["from_one_data_parallel"] for r in results)
+    for label in ("row_wise", "table_wise", "k_step", "replicas"):
         for r in results:
             assert r[label]["loaded_equal"], label  # resharded on load, bit for bit
             assert r[label]["trained_on_gap"] < 1e-5, label  # with its Adam state
             assert r[label]["world"] == 2 and r[label]["steps"] == {"t0": 8, "t1": 8, "t2": 8}
         manifest = SnapshotManifest.read(tmp_path / f"snap_{label}")
-        assert {f.name.split("-")[0] for f in manifest.files} == {"rank0", "rank1"}
+        # Rank 0 alone writes the data-parallel replicas.
+        assert {f.name.split("-")[0] for f in manifest.files} == (
+            {"rank0", "rank1", "replicas"} if label == "replicas" else {"rank0", "rank1"})
         # Each rank wrote only its own rows: no row is in two files.
         keys = []
         for f in manifest.files:
@@ -135,7 +140,8 @@ def test_two_ranks_save_their_own_rows_and_the_snapshot_loads_anywhere(tmp_path,
                 keys += [(names[t], i) for t, i in zip(tables.tolist(), ids.tolist())]
         assert len(keys) == len(set(keys)) > 100
         kinds = {v["kind"] for v in manifest.sharding.values()}
-        assert kinds == {"table_wise" if label == "table_wise" else "row_wise"}
+        assert kinds == ({"row_wise", "data_parallel"} if label == "replicas"
+                         else {"table_wise" if label == "table_wise" else "row_wise"})
         # One process loads what two ranks saved.
         one = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05),
                                            storage=StorageConfig(device_rows=50, host_rows=0,

@@ -45,8 +45,10 @@ def local_kjt(step):
 
 loss_weights = torch.randn(24, generator=torch.Generator().manual_seed(0))
 results = {}
-for kind in ("row_wise", "table_wise", {"t0": "row_wise", "t1": "table_wise", "t2": "auto"}):
-    label = kind if isinstance(kind, str) else "mixed"
+KINDS = {"row_wise": "row_wise", "table_wise": "table_wise", "data_parallel": "data_parallel",
+         "mixed": {"t0": "row_wise", "t1": "table_wise", "t2": "auto"},
+         "replicas": {"t0": "row_wise", "t1": "data_parallel", "t2": "table_wise"}}
+for label, kind in KINDS.items():
     ssd_dir = os.path.join(out_dir, f"ssd_{label}_{world}")
     ebc = TieredEmbeddingBagCollection(
         TABLES, optimizer=SparseAdam(lr=0.05), sharding=kind,
@@ -59,6 +61,11 @@ for kind in ("row_wise", "table_wise", {"t0": "row_wise", "t1": "table_wise", "t
                             if f in t.feature_names for i in v}) for t in TABLES}
     rows = {name: ebc.rows(name, ids) for name, ids in seen.items()}  # collective when sharded
     state = ebc.get_extra_state()  # collective too: every rank gets all shards
+    # What this rank's own tables hold, read without a collective (replicas: the whole table).
+    own = {name: ebc.rows(name, torch.tensor(ids)) for name, ids in seen.items()
+           if world > 1 and ebc.sharding_plan[name].kind == "data_parallel"}
+    if own:
+        torch.save(own, os.path.join(out_dir, f"{label}_{world}_rank{rank}.pt"))
     if rank == 0:
         torch.save({"rows": rows, "seen": seen, "state": state, "stats": ebc.tier_stats(),
                     "plan": {k: (v.kind, v.owner) for k, v in (ebc.sharding_plan or {}).items()},
@@ -74,7 +81,9 @@ if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-tim
 def test_two_gloo_ranks_equal_one_process(tmp_path, run_ranks):
     for world in (1, 2):  # the script joins its own gloo group, so no launcher variables
         run_ranks(RANK_SCRIPT, [str(world), str(tmp_path), "{port}"], world=world, ddp_env=False)
-    for label in ("row_wise", "table_wise", "mixed"):
+    one_rows = {label: torch.load(tmp_path / f"{label}_1.pt", weights_only=False)["rows"]
+                for label in ("data_parallel", "replicas")}
+    for label in ("row_wise", "table_wise", "data_parallel", "mixed", "replicas"):
         one = torch.load(tmp_path / f"{label}_1.pt", weights_only=False)
         two = torch.load(tmp_path / f"{label}_2.pt", weights_only=False)
         assert one["plan"] == {}  # one process: nothing to shard
@@ -90,10 +99,17 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, run_ranks):
         assert two["stats"]["ssd_hits"] > 0  # rows really went through the SSD tier
         assert two["bytes"] > 0
     plans = {label: torch.load(tmp_path / f"{label}_2.pt", weights_only=False)["plan"]
-             for label in ("row_wise", "table_wise", "mixed")}
+             for label in ("row_wise", "table_wise", "mixed", "replicas")}
     assert {k for k, _ in plans["row_wise"].values()} == {"row_wise"}
     assert {o for _, o in plans["table_wise"].values()} == {0, 1}  # tables spread over both ranks
     assert plans["mixed"]["t0"][0] == "row_wise" and plans["mixed"]["t1"][0] == "table_wise"
+    assert [plans["replicas"][t][0] for t in ("t0", "t1", "t2")] == ["row_wise", "data_parallel", "table_wise"]
+    # Every replica of a data-parallel table holds the rows of the global batch's training.
+    for label in ("data_parallel", "replicas"):
+        local = [torch.load(tmp_path / f"{label}_2_rank{r}.pt", weights_only=False) for r in (0, 1)]
+        for name in ("t1",) if label == "replicas" else ("t0", "t1", "t2"):
+            torch.testing.assert_close(local[0][name], local[1][name], atol=0, rtol=0)
+            torch.testing.assert_close(local[0][name], one_rows[label][name], atol=1e-5, rtol=0)
     # A checkpoint of two shards loads into one process.
     two = torch.load(tmp_path / "row_wise_2.pt", weights_only=False)
     one = torch.load(tmp_path / "row_wise_1.pt", weights_only=False)

@@ -34,7 +34,7 @@ def _shared_prefix(a, b):
 def _check_capacities(p, machine):
     """Every rank's tables within its budgets, and the budgets within the machine's free memory."""
     for r in p.ranks:
-        held = [t for t in p.tables if t.sharding.kind == "row_wise" or t.sharding.owner == r.rank]
+        held = [t for t in p.tables if t.sharding.kind in ("row_wise", "data_parallel") or t.sharding.owner == r.rank]
         assert sum(t.device_rows * t.row_bytes for t in held) <= r.device_bytes
         assert sum(t.host_rows * t.row_bytes for t in held) <= r.host_bytes
         assert sum(t.ssd_rows * t.row_bytes for t in held) * SSD_OVERHEAD <= r.ssd_bytes
@@ -171,7 +171,7 @@ def test_torchrec_constraints_and_topology():
     constraints = {"t0": ParameterConstraints(sharding_types=["row_wise"], pooling_factors=[3.0, 5.0]),
                    "t2": ParameterConstraints(sharding_types=["table_wise", "data_parallel"])}
     p = plan(dgx, shape, options=PlanOptions(constraints=constraints))
-    assert p.sharding()["t0"] == "row_wise" and p.sharding()["t2"] == "table_wise"
+    assert p.sharding()["t0"] == "row_wise" and p.sharding()["t2"] in ("table_wise", "data_parallel")
     with pytest.raises(PlanError, match=r"table 't1': sharding types \['column_wise'\] are not among"):
         plan(dgx, shape, options=PlanOptions(constraints={"t1": ParameterConstraints(sharding_types=["column_wise"])}))
     topology = p.torchrec_topology()  # torchrec's planner can take the same cluster
@@ -179,6 +179,31 @@ def test_torchrec_constraints_and_topology():
     assert topology.devices[0].storage.hbm == p.ranks[0].device_bytes
     assert topology.devices[0].storage.ddr == p.ranks[0].host_bytes
     assert topology.intra_host_bw == pytest.approx(p.rates.intra_node_bw / 1000)
+
+
+def test_small_hot_tables_get_a_replica_on_every_rank_where_that_is_cheaper():
+    server = Machine.load(MACHINES / "cpu_2socket.json")
+    shape = _shape([40_000_000, 40_000_000] + [200] * 12, dim=64)
+    large = {"t0": "row_wise", "t1": "row_wise"}
+    small = [f"t{i}" for i in range(2, 14)]
+    options = PlanOptions(ranks_per_node=2, sharding={**large, **{t: "auto" for t in small}})
+    auto = plan(server, shape, options=options)
+    assert {auto.sharding()[t] for t in small} == {"data_parallel"}
+    _check_capacities(auto, server)
+    assert "data_parallel" in auto.to_text()
+    # Against the small tables whole on one rank each: fewer bytes and a shorter step,
+    # although no single table moved alone pays for the replicas' collectives.
+    owned = plan(server, shape, options=dataclasses.replace(options, sharding={**large, **{t: "table_wise" for t in small}}))
+    assert sum(auto.step_estimate.link_bytes.values()) < sum(owned.step_estimate.link_bytes.values())
+    assert auto.step_estimate.seconds < owned.step_estimate.seconds
+    # Under k-step table sync every rank trains replicas already: no data-parallel tables.
+    kstep = dataclasses.replace(shape, sparse_sync="k_step")
+    assert "data_parallel" not in plan(server, kstep, options=options).sharding().values()
+    # A replica must fit every rank: a table too large for that is never replicated.
+    vm = Machine.load(MACHINES / "vm_1socket.json")
+    two = plan(vm, _shape([3_000_000, 1000], dim=64), options=PlanOptions(ranks_per_node=2))
+    assert two.sharding()["t0"] != "data_parallel"
+    _check_capacities(two, vm)
 
 
 def test_nvlink_islands_size_the_kstep_groups():

@@ -52,6 +52,10 @@ class ReplicatedTables(TableEngine):
     def __init__(self, tables: Sequence[EmbeddingBagConfig], setup: TableSetup, plan: Mapping[str, TableSharding],
                  process_group: dist.ProcessGroup, schedule: MergeSchedule,
                  state_dtype: torch.dtype = torch.bfloat16) -> None:
+        replicas = sorted(name for name, sharding in plan.items() if sharding.kind == "data_parallel")
+        if replicas:
+            raise ValueError(f"tables {replicas}: data_parallel sharding needs sparse_sync='step'; under 'k_step' "
+                             f"every rank trains a replica of the rows it touches already")
         self.tables = list(tables)
         self.plan = dict(plan)
         self.process_group = process_group

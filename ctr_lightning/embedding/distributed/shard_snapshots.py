@@ -31,18 +31,25 @@ from ctr_lightning.embedding.table_snapshot import (
 
 def save_shards(local: LocalTables, directory: str | os.PathLike, process_group: dist.ProcessGroup,
                 plan: Mapping[str, TableSharding], steps: dict[str, int] | None = None,
-                parent: SnapshotRef | None = None, chunk_rows: int = 1 << 16) -> SnapshotManifest:
+                parent: SnapshotRef | None = None, chunk_rows: int = 1 << 16,
+                replicas: LocalTables | None = None) -> SnapshotManifest:
     """Collective: this rank writes ``local``'s rows (``rank{r}-group{g}.rows``), the ranks
     exchange what they wrote (names, sizes, checksums: a few bytes, never rows), and rank 0
     writes the manifest. A failure on any rank (a full disk, say) raises on every rank,
     naming the rank and the cause, and no manifest is written, so the snapshot stays
     incomplete and the previous one is what a resume finds. With ``parent`` (the last
-    snapshot, saved or loaded, on every rank) each rank writes only its rows changed since."""
+    snapshot, saved or loaded, on every rank) each rank writes only its rows changed since.
+    ``replicas``: data-parallel tables, equal on every rank: rank 0 writes them
+    (``replicas-group<g>`` files)."""
     rank = dist.get_rank(process_group)
     part, failure = None, None
     try:
         part = write_shard(local, prepare_directory(directory), rank, chunk_rows, steps,
                            changed_only=parent is not None)
+        if replicas is not None and rank == 0:
+            more = write_shard(replicas, directory, rank, chunk_rows, steps, changed_only=parent is not None,
+                               prefix="replicas")
+            part = ShardFiles(part.files + more.files, {**part.steps, **more.steps}, {**part.tables, **more.tables})
     except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
         failure = e
     parts = gather_objects((part, _describe(rank, failure)), process_group)
@@ -57,6 +64,8 @@ def save_shards(local: LocalTables, directory: str | os.PathLike, process_group:
             failure = e
     _raise_any(directory, failure, gather_objects(_describe(rank, failure), process_group))
     mark_saved(local)
+    if replicas is not None:
+        mark_saved(replicas)  # every rank's: they are equal, rank 0's are saved
     return manifest
 
 

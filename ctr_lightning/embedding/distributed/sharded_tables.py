@@ -1,5 +1,6 @@
 """Tables sharded over the ranks of a process group: ids travel to their owners, pooled
-embeddings travel back, through torchrec's all-to-all modules."""
+embeddings travel back, through torchrec's all-to-all modules; data-parallel tables keep a
+replica on every rank."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ctr_lightning.embedding.counters import sum_counters
 from ctr_lightning.embedding.distributed.collectives import broadcast_from_rank0, gather_tables, owners_rows
+from ctr_lightning.embedding.distributed.data_parallel import DataParallelTables
 from ctr_lightning.embedding.distributed.shard_snapshots import save_shards
 from ctr_lightning.embedding.engine import TableEngine, TableState
 from ctr_lightning.embedding.local_tables import LocalTables
@@ -44,6 +47,10 @@ class ShardedTables(TableEngine):
     all-to-all divides the returning gradients by the world size, so the update equals
     that of one process training on the global batch, as DDP's averaged dense gradients do.
 
+    Data-parallel tables (small hot ones) are whole on every rank
+    (:class:`DataParallelTables`): each rank pools its own bags of them, and in backward the
+    ranks all-gather their row gradients, so every replica applies the global batch's update.
+
     Example::
 
         plan = plan_sharding(tables, dist.get_world_size(), "row_wise")
@@ -65,6 +72,8 @@ class ShardedTables(TableEngine):
         row_wise = [t for t in tables if plan[t.name].kind == "row_wise"]
         on_rank = [[t for t in tables if plan[t.name].kind == "table_wise" and plan[t.name].owner == r]
                    for r in range(self.world)]
+        replicated = [t for t in tables if plan[t.name].kind == "data_parallel"]
+        self.replicas = DataParallelTables(replicated, setup.for_rank(self.rank), process_group) if replicated else None
         # Row-wise shards pool by sum; a mean is taken once all partial sums are in.
         local_tables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in row_wise] + on_rank[self.rank]
         self.local = LocalTables(local_tables, setup.for_rank(self.rank))
@@ -74,6 +83,11 @@ class ShardedTables(TableEngine):
         self.send = [rw_features + [index[f] for t in on_rank[r] for f in t.feature_names]
                      for r in range(self.world)]
         self.local_keys = [self.feature_names[i] for i in self.send[self.rank]]
+        replica_features = {index[f] for t in replicated for f in t.feature_names}
+        self.replica_features = [i for i in range(len(self.feature_names)) if i in replica_features]
+        self.sharded_features = [i for i in range(len(self.feature_names)) if i not in replica_features]
+        self._sharded_index = torch.tensor(self.sharded_features, dtype=torch.int64)
+        self.sharded = bool(self.sharded_features)
         self.send_keys = [f"{self.feature_names[i]}@{r}" for r in range(self.world) for i in self.send[r]]
         # key_of[r, f]: the sent key that carries feature f's ids owned by rank r (-1: none).
         self.key_of = torch.full((self.world, len(self.feature_names)), -1, dtype=torch.int64)
@@ -97,6 +111,9 @@ class ShardedTables(TableEngine):
             for f in self.send[r][len(rw_features):]:
                 starts[f] = col
                 col += self.dims[f]
+        for f in self.replica_features:  # the replicas' pooled columns come last
+            starts[f] = col
+            col += self.dims[f]
         self.column_order = torch.tensor(
             [starts[f] + d for f in range(len(self.feature_names)) for d in range(self.dims[f])])
         self.block_starts = [0]
@@ -105,8 +122,8 @@ class ShardedTables(TableEngine):
         self.mean_columns = torch.tensor(
             [f for t in row_wise if t.pooling == PoolingType.MEAN for f in map(index.get, t.feature_names)],
             dtype=torch.int64)
-        self.ids_a2a = KJTAllToAll(process_group, [len(s) for s in self.send])
-        self.pooled_a2a = PooledEmbeddingsAllToAll(process_group, dim_sum_per_rank)
+        self.ids_a2a = KJTAllToAll(process_group, [len(s) for s in self.send]) if self.sharded else None
+        self.pooled_a2a = PooledEmbeddingsAllToAll(process_group, dim_sum_per_rank) if self.sharded else None
         self.bytes_sent = 0  # by this rank to other ranks, all-to-alls of forward and backward
 
     @property
@@ -114,19 +131,23 @@ class ShardedTables(TableEngine):
         return self.plan
 
     def comm_bytes(self) -> int:
-        return self.bytes_sent
+        return self.bytes_sent + (self.replicas.bytes_sent if self.replicas is not None else 0)
 
     # -- one step --------------------------------------------------------------------------
 
     def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
         features, local_in, strides = self.input_dist(features)
-        pooled_local = self.compute(local_in, train)
-        return self.output_dist(pooled_local, strides, features, train)
+        pooled_local = self.compute(local_in, train) if self.sharded else None
+        replicated = (self.replicas.forward(features.permute(self.replica_features), train)
+                      if self.replicas is not None else None)
+        return self.output_dist(pooled_local, strides, features, train, replicated)
 
-    def input_dist(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor, list[int]]:
+    def input_dist(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor | None, list[int]]:
         """Ids to their owners: ``(features aligned, the ids this rank owns from all ranks'
-        batches, each rank's batch size)``."""
+        batches, each rank's batch size)``; no ids travel where every table is data-parallel."""
         features = align_features(features, self.feature_names, self.tables, self.module_name)
+        if not self.sharded:
+            return features, None, [features.stride()]
         sent = self.bucketize(features)
         arriving = self.ids_a2a(sent).wait()
         # Batch sizes may differ between ranks (an epoch's last batch), so take each rank's.
@@ -141,13 +162,17 @@ class ShardedTables(TableEngine):
         """This rank's shard pools the bags it received: ``[sum of batches, its dims]``."""
         return self.local.forward(local_in, train)
 
-    def output_dist(self, pooled_local: torch.Tensor, strides: list[int], features: KeyedJaggedTensor,
-                    train: bool) -> torch.Tensor:
-        """Pooled rows back to the ranks whose batches they belong to, assembled into
-        ``[local batch, sum of dims]`` in config order."""
-        pooled = self.pooled_a2a(pooled_local, batch_size_per_rank=strides).wait()
-        self.bytes_sent += self._pooled_bytes(strides, pooled_local, train)
-        return self.assemble(pooled, features)
+    def output_dist(self, pooled_local: torch.Tensor | None, strides: list[int], features: KeyedJaggedTensor,
+                    train: bool, replicated: torch.Tensor | None = None) -> torch.Tensor:
+        """Pooled rows back to the ranks whose batches they belong to, assembled with the
+        replicas' (``replicated``) into ``[local batch, sum of dims]`` in config order."""
+        blocks = []
+        if pooled_local is not None:
+            blocks.append(self.pooled_a2a(pooled_local, batch_size_per_rank=strides).wait())
+            self.bytes_sent += self._pooled_bytes(strides, pooled_local, train)
+        if replicated is not None:
+            blocks.append(replicated)
+        return self.assemble(blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1), features)
 
     def _id_bytes(self, sent: KeyedJaggedTensor) -> int:
         per_key = torch.tensor(sent.length_per_key())
@@ -173,6 +198,8 @@ class ShardedTables(TableEngine):
         """Collective: the ids of upcoming ``batch`` travel to their owners ahead of time,
         and each owner notes them and reads its missing rows from SSD in the background,
         so the batch's own lookup finds them in memory."""
+        if not self.sharded:  # replicas are small and hot: not read ahead
+            return []
         _, local_in, _ = self.input_dist(features)
         # The batch's forward exchanges its ids again and gets new tensors: no dedup to reuse.
         return self.local.register_upcoming(local_in, batch, reuse_dedup=False)
@@ -181,16 +208,22 @@ class ShardedTables(TableEngine):
         self.local.release_upcoming(batch)
 
     def stop_prefetch(self) -> None:
-        self.local.stop_prefetch()
+        for engine in self._engines():
+            engine.stop_prefetch()
+
+    def _engines(self) -> list[LocalTables]:
+        return [self.local] + ([self.replicas.local] if self.replicas is not None else [])
 
     def bucketize(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
         """The KJT with each feature's ids split by owner: keys ordered by destination rank."""
+        if self.replicas is not None:
+            features = features.permute(self.sharded_features)
         batch = features.stride()
         lengths = features.lengths().to(torch.int64)
         values = features.values()
-        n_features = len(self.feature_names)
+        n_features = len(self.sharded_features)
         segment = torch.repeat_interleave(torch.arange(n_features * batch), lengths)
-        feature = segment // batch
+        feature = self._sharded_index[segment // batch]
         dest = torch.where(self.row_wise_feature[feature], row_owner(values.cpu(), self.world),
                            self.table_owner[feature])
         out_segment = self.key_of[dest, feature] * batch + segment % batch
@@ -206,7 +239,7 @@ class ShardedTables(TableEngine):
         """``[batch, sum of dims]`` in config order from the blocks the owners sent back."""
         blocks = [pooled[:, self.block_starts[r] : self.block_starts[r + 1]] for r in range(self.world)]
         row_wise = sum(b[:, : self.rw_dim] for b in blocks)
-        parts = [row_wise] + [b[:, self.rw_dim :] for b in blocks]
+        parts = [row_wise] + [b[:, self.rw_dim :] for b in blocks] + [pooled[:, self.block_starts[-1] :]]
         out = torch.cat(parts, dim=1).index_select(1, self.column_order.to(pooled.device))
         if len(self.mean_columns):
             out = self._divide_by_lengths(out, features)
@@ -227,32 +260,46 @@ class ShardedTables(TableEngine):
         return owned_mask(self.plan[table], ids, self.world, self.rank)
 
     def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
-        """Collective: every rank passes the same ids and gets the owners' rows."""
+        """Collective: every rank passes the same ids and gets the owners' rows (a
+        data-parallel table answers from this rank's replica, with no collective)."""
+        if self.plan[table].kind == "data_parallel":
+            return self.replicas.local.rows(table, ids)
         return owners_rows(self.local, self.tables, table, self.owns(table, ids), ids, self.process_group)
 
     def tier_stats(self) -> dict[str, int]:
-        return self.local.tier_stats()
+        return sum_counters(engine.tier_stats() for engine in self._engines())
 
     def storage_stats(self) -> dict[str, int]:
-        return self.local.storage_stats()
+        return sum_counters(engine.storage_stats() for engine in self._engines())
 
     def export(self) -> dict[str, TableState]:
-        """Collective: every rank gets the rows of all shards, per table."""
-        return gather_tables(self.local.export(), self.tables, self.process_group)
+        """Collective: every rank gets the rows of all shards, per table (rank 0's replicas)."""
+        local = self.local.export()
+        if self.replicas is not None and self.rank == 0:
+            local.update(self.replicas.local.export())
+        return gather_tables(local, self.tables, self.process_group)
 
     def load(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         self.local.load(state, keep=self.owns)
+        if self.replicas is not None:
+            self.replicas.local.load(state)
 
     def save_snapshot(self, directory: str | os.PathLike, parent: SnapshotRef | None = None) -> SnapshotManifest:
-        """Collective: each rank streams its shard to its own files; rank 0 writes the manifest."""
-        return save_shards(self.local, directory, self.process_group, self.plan, parent=parent)
+        """Collective: each rank streams its shard to its own files, rank 0 the replicas too;
+        rank 0 writes the manifest."""
+        return save_shards(self.local, directory, self.process_group, self.plan, parent=parent,
+                           replicas=self.replicas.local if self.replicas is not None else None)
 
     def load_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
-        return self.local.load_snapshot(directory, keep=self.owns)
+        manifest = self.local.load_snapshot(directory, keep=self.owns)
+        if self.replicas is not None:
+            self.replicas.local.load_snapshot(directory)
+        return manifest
 
     def from_rank0(self, value: Any) -> Any:
         return broadcast_from_rank0(value, self.process_group)
 
     def move_device_tier(self, device: torch.device) -> None:
-        self.local.move_device_tier(device)
+        for engine in self._engines():
+            engine.move_device_tier(device)
 
