@@ -1,5 +1,5 @@
 """CTR metrics beyond torchmetrics' AUC."""
 
-from ctr_lightning.metrics.ctr import LogLoss, NormalizedEntropy
+from ctr_lightning.metrics.ctr import Calibration, LogLoss, NormalizedEntropy
 
-__all__ = ["LogLoss", "NormalizedEntropy"]
+__all__ = ["Calibration", "LogLoss", "NormalizedEntropy"]

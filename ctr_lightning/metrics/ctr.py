@@ -1,4 +1,5 @@
-"""Click-prediction quality metrics that torchmetrics lacks: log loss and normalized entropy."""
+"""Click-prediction quality metrics that torchmetrics lacks: log loss, normalized entropy and
+calibration (PCOC)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,36 @@ class NormalizedEntropy(LogLoss):
         p = (self.label_sum / self.count).clamp(1e-12, 1 - 1e-12)
         base = -(p * p.log() + (1 - p) * (1 - p).log())
         return (self.loss_sum / self.count / base).float()
+
+
+class Calibration(Metric):
+    """Mean predicted click rate over mean observed click rate (PCOC), synced across ranks.
+
+    1.0 is calibrated; above over-predicts clicks, below under-predicts. Ad systems watch
+    it because bids and auctions use the predicted rate itself, not only its ranking.
+    NaN while no click was seen.
+
+    Example::
+
+        m = Calibration()
+        m.update(logits, labels)
+        m.compute()   # e.g. tensor(1.03)
+    """
+
+    is_differentiable = False
+    higher_is_better = None
+    full_state_update = False
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.add_state("predicted_sum", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("label_sum", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        self.predicted_sum += torch.sigmoid(logits.double()).sum()
+        self.label_sum += labels.double().sum()
+
+    def compute(self) -> torch.Tensor:
+        if self.label_sum == 0:
+            return torch.tensor(float("nan"))
+        return (self.predicted_sum / self.label_sum).float()

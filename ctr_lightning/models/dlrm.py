@@ -17,7 +17,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from ctr_lightning.batch import Batch
 from ctr_lightning.datamodules.criteo_schema import NUM_DENSE, SPARSE_NAMES
 from ctr_lightning.embedding import AutoStorage, SparseAdam, StorageConfig, TieredEmbeddingBagCollection
-from ctr_lightning.metrics import LogLoss, NormalizedEntropy
+from ctr_lightning.metrics import Calibration, LogLoss, NormalizedEntropy
 
 
 
@@ -170,6 +170,7 @@ class DLRMModule(pl.LightningModule):
         metrics["auc"].update(torch.sigmoid(logits), labels.long())
         metrics["logloss"].update(logits, labels)
         metrics["ne"].update(logits, labels)
+        metrics["calibration"].update(logits, labels)
         for name, metric in metrics.items():
             self.log(f"{stage}/{name}", metric, prog_bar=name == "auc")
 
@@ -181,4 +182,5 @@ class DLRMModule(pl.LightningModule):
 
 
 def _quality_metrics() -> nn.ModuleDict:
-    return nn.ModuleDict({"auc": BinaryAUROC(), "logloss": LogLoss(), "ne": NormalizedEntropy()})
+    return nn.ModuleDict({"auc": BinaryAUROC(), "logloss": LogLoss(), "ne": NormalizedEntropy(),
+                          "calibration": Calibration()})

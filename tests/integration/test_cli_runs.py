@@ -35,7 +35,8 @@ def test_tiny_fit_logs_to_tensorboard_and_checkpoints(tmp_path):
     events = EventAccumulator(str(log_dir))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    for tag in ("train/loss", "train/examples_per_sec", "val/loss", "val/auc", "val/logloss", "val/ne"):
+    for tag in ("train/loss", "train/examples_per_sec", "val/loss", "val/auc", "val/logloss", "val/ne",
+                "val/calibration"):
         assert tag in tags, sorted(tags)
     hparams = yaml.safe_load((log_dir / "hparams.yaml").read_text())
     assert hparams["embedding_dim"] == 8 and hparams["train_rows"] == 4000 and hparams["batch_size"] == 128
