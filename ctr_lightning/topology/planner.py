@@ -550,8 +550,8 @@ class _Pricing:
         intra = sent * (1 - remote) + dense * (1 - remote)
         inter = sent * remote + dense * remote / k
         collectives = (4 if shape.sparse_sync == "step" else 1) + 1 if world > 1 else 0
-        replicas = [p for p in placements if p.sharding.kind == "data_parallel"]
-        if world > 1 and shape.sparse_sync == "step" and replicas:
+        replicated = {p.name for p in placements if p.sharding.kind == "data_parallel"}
+        if world > 1 and shape.sparse_sync == "step" and replicated:
             collectives += 3  # the replicas' gradients: counts, ids, rows (all-gathers)
         bags = routed = 0.0
         if world > 1 and shape.sparse_sync == "step":
@@ -559,11 +559,11 @@ class _Pricing:
             # Beyond one bag an example and feature of its own batch: a shard pools every
             # rank's examples; a replica its own, and one bag a rank's distinct id to step.
             bags = sum(b * world * features[p.name] for p in placements
-                       if rank in holders[p.name] and p not in replicas)
-            bags += sum(b * features[p.name] + world * self.unique(p.name, b * self.access[p.name].pooling)
-                        for p in replicas)
+                       if rank in holders[p.name] and p.name not in replicated)
+            bags += sum(b * features[name] + world * self.unique(name, b * self.access[name].pooling)
+                        for name in replicated)
             bags -= b * sum(features.values())
-            routed = b * sum(features[p.name] for p in placements if p not in replicas)
+            routed = b * sum(features[p.name] for p in placements if p.name not in replicated)
         return estimate_step(self.rates, loads, shape.dense_flops_per_example * b, intra, inter, collectives,
                              host_tier=self.accelerator == "gpu", extra_bags=bags, routed=routed)
 

@@ -50,6 +50,7 @@ class DataParallelTables:
         self.columns = np.concatenate([[0], np.cumsum(self.local.dims)]).tolist()
         self.first_feature = [self.feature_names.index(t.feature_names[0]) for t in self.tables]
         self.mean = [t.pooling == PoolingType.MEAN for t in self.tables]
+        self.dims = torch.tensor([t.embedding_dim for t in self.tables], dtype=torch.int64)
         self._anchor = torch.zeros((), requires_grad=True)  # so backward reaches _Replicas
         # NCCL moves CUDA tensors only; gloo CPU ones.
         nccl = dist.get_backend(process_group) == "nccl"
@@ -102,7 +103,7 @@ class DataParallelTables:
         all_counts = [c.cpu() for c in all_counts]
         ids = torch.cat([i for i, _ in gradients])
         rows = torch.cat([g.reshape(-1) for _, g in gradients])
-        dims = torch.tensor([t.embedding_dim for t in self.tables], dtype=torch.int64)
+        dims = self.dims
         sizes = [int(c.sum()) for c in all_counts]
         widths = [int((c * dims).sum()) for c in all_counts]
         # all_gather takes equal sizes: pad to the longest.
