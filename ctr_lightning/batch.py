@@ -17,6 +17,10 @@ class Batch(Pipelineable):
         dense: ``[B, num_dense]`` float32 continuous features.
         sparse: categorical features as a KeyedJaggedTensor, one key per feature.
         labels: ``[B]`` float32 click labels in {0, 1}.
+        groups: ``[B]`` int64 grouping column (user or query id) when the data has one: GAUC
+            is computed per group.
+        records: ``[B]`` int64 place of each example among its split's records, for predict
+            output (set when reading ``predict_paths``).
 
     Example::
 
@@ -29,6 +33,8 @@ class Batch(Pipelineable):
     dense: torch.Tensor
     sparse: KeyedJaggedTensor
     labels: torch.Tensor
+    groups: torch.Tensor | None = None
+    records: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -39,16 +45,22 @@ class Batch(Pipelineable):
             dense=self.dense.to(device, non_blocking=non_blocking),
             sparse=self.sparse.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
+            groups=None if self.groups is None else self.groups.to(device, non_blocking=non_blocking),
+            records=self.records,  # row numbers stay on the host, where predictions are written
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
         self.dense.record_stream(stream)
         self.sparse.record_stream(stream)
         self.labels.record_stream(stream)
+        if self.groups is not None:
+            self.groups.record_stream(stream)
 
     def pin_memory(self) -> Batch:
         return Batch(
             dense=self.dense.pin_memory(),
             sparse=self.sparse.pin_memory(),
             labels=self.labels.pin_memory(),
+            groups=None if self.groups is None else self.groups.pin_memory(),
+            records=self.records,
         )

@@ -6,15 +6,18 @@ import inspect
 import logging
 import re
 import sys
+import warnings
 from pathlib import Path
 from argparse import RawDescriptionHelpFormatter
 from typing import Any
 
 from jsonargparse import DefaultHelpFormatter
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities import rank_zero_info
 
+from ctr_lightning.callbacks import ScoreWriter, StreamProgressBar
 from ctr_lightning.datamodules import (
     AvazuDataModule,
     CriteoDataModule,
@@ -22,7 +25,16 @@ from ctr_lightning.datamodules import (
     SyntheticCriteoDataModule,
     SyntheticStreamDataModule,
 )
-from ctr_lightning.models import DLRMModule
+from ctr_lightning.models import MODELS, CTRModule, DLRMModule
+
+DEMO_HINT = """ctr-lightning: nothing to train on. Start from a config:
+
+  ctr-lightning fit --config configs/demo.yaml        # a DLRM on synthetic Criteo-layout logs
+  ctr-lightning fit --config configs/dcnv2.yaml       # the same data, DCN-v2 (also deepfm.yaml, wide_deep.yaml)
+  ctr-lightning fit --config configs/criteo.yaml --data.train_paths [day_0.gz] --data.val_paths [day_1.gz]
+
+or name the data yourself: ctr-lightning fit --data CriteoDataModule --data.train_paths [...].
+ctr-lightning fit --help lists every model, DataModule and option."""
 
 
 class _HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
@@ -30,11 +42,14 @@ class _HelpFormatter(RawDescriptionHelpFormatter, DefaultHelpFormatter):
 
 
 class CTRLightningCLI(LightningCLI):
-    """LightningCLI whose model takes its feature layout from the DataModule.
+    """LightningCLI whose model (any :class:`CTRModule`, DLRM unless named) takes its feature
+    layout from the DataModule; streamed epochs get a progress bar with a total, and
+    ``predict`` streams scores to files instead of holding them.
 
     Example::
 
         ctr-lightning fit --config configs/demo.yaml --trainer.max_steps 200
+        ctr-lightning fit --config configs/demo.yaml --model DCNv2Module --model.cross_layers 2
     """
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
@@ -45,12 +60,27 @@ class CTRLightningCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The data decides the features; the model's tables follow them.
-        parser.link_arguments("data.sparse_feature_names", "model.sparse_feature_names", apply_on="instantiate")
-        parser.link_arguments("data.num_dense_features", "model.num_dense_features", apply_on="instantiate")
+        parser.link_arguments("data.sparse_feature_names", "model.init_args.sparse_feature_names",
+                              apply_on="instantiate")
+        parser.link_arguments("data.num_dense_features", "model.init_args.num_dense_features", apply_on="instantiate")
+        # A config's model: section without a class_path is a DLRM's, as before other models came.
+        parser.set_defaults({"model": {"class_path": f"{DLRMModule.__module__}.{DLRMModule.__qualname__}"}})
 
     def before_instantiate_classes(self) -> None:
         if self.subcommand == "fit":
             continue_last_run(self.config["fit"])
+        if self.subcommand == "predict" and self.config["predict"].get("return_predictions") is None:
+            self.config["predict"]["return_predictions"] = False  # the ScoreWriter has them; memory stays flat
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        given = list(callbacks) + [c for c in (config.get("callbacks") or []) if isinstance(c, Callback)]
+        extra: list[Callback] = []
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
+            extra.append(StreamProgressBar())
+        if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in given):
+            root = config.get("default_root_dir") or "."
+            extra.append(ScoreWriter(output_dir=str(Path(root) / "predictions")))
+        return super()._instantiate_trainer(config, [*callbacks, *extra])
 
 
 def continue_last_run(config: Any) -> None:
@@ -86,28 +116,68 @@ def continue_last_run(config: Any) -> None:
 
 
 def _datamodule_help() -> str:
-    lines = ["DataModules (pick with --data CLASS or a config's data.class_path, then set --data.ARG VALUE;"
-             " --data.help CLASS shows types and defaults):"]
+    lines = ["Models (pick with --model CLASS or a config's model.class_path, default DLRMModule, then set "
+             "--model.ARG VALUE; --model.help CLASS shows types and defaults):"]
+    for model in MODELS:
+        lines.append(f"  {model.__name__}: " + ", ".join(f"--model.{a}" for a in _init_arguments(model)
+                                                         if a not in _init_arguments(CTRModule)))
+    lines.append("  every model: " + ", ".join(f"--model.{a}" for a in _init_arguments(CTRModule)))
+    lines += ["DataModules (pick with --data CLASS or a config's data.class_path, then set --data.ARG VALUE;"
+              " --data.help CLASS shows types and defaults):"]
     for cls in (CriteoDataModule, SyntheticCriteoDataModule, AvazuDataModule, ParquetDataModule,
                 SyntheticStreamDataModule):
         lines.append(f"  {cls.__name__}: " + ", ".join(f"--data.{a}" for a in _init_arguments(cls)))
-    lines.append("Also: ctr-lightning export --ckpt_path PATH --out DIR writes a checkpoint's model for serving "
-                 "(Parquet tables, safetensors dense part).")
+    lines.append("Also: ctr-lightning predict --config X --ckpt_path PATH --data.predict_paths [...] streams scores "
+                 "to predictions/scores-rank<r>.tsv (ScoreWriter); ctr-lightning export --ckpt_path PATH --out DIR "
+                 "writes a checkpoint's model for serving (Parquet tables, safetensors dense part).")
     return "\n".join(lines)
 
 
 def _init_arguments(cls: type) -> list[str]:
     """The arguments a class takes, those its ``**kwargs`` pass on to its bases included
-    (the format, which each DataModule builds itself, excluded)."""
+    (the format, which each DataModule builds itself, excluded; Lightning's own bases not read)."""
     names: list[str] = []
     for klass in cls.__mro__:
-        if "__init__" not in vars(klass) or klass is LightningDataModule:
+        if "__init__" not in vars(klass) or klass in (LightningDataModule, LightningModule):
             continue
         parameters = inspect.signature(klass.__init__).parameters.values()
         names += [p.name for p in parameters if p.kind is p.POSITIONAL_OR_KEYWORD or p.kind is p.KEYWORD_ONLY]
         if not any(p.kind is p.VAR_KEYWORD for p in parameters):
             break
-    return [n for n in dict.fromkeys(names) if n not in ("self", "log_format")]
+    return [n for n in dict.fromkeys(names) if n not in ("self", "log_format", "kwargs")]
+
+
+def _replace_whole_storage(args: list[str]) -> list[str]:
+    """``--model.storage '{...}'`` replaces the config's storage, as a user means it.
+
+    The model is a subclass spec, and jsonargparse merges a mapping given for one of its
+    class-typed arguments into the value the config already holds: AutoStorage's keys
+    would land on the config's StorageConfig and fail. A ``null`` first makes it a
+    replacement; a ``class_path`` mapping, a dotted key (``--model.storage.ssd_dir``) or
+    ``auto`` keep jsonargparse's own meaning.
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        value = None
+        if arg == "--model.storage" and i + 1 < len(args):
+            value, step = args[i + 1], 2
+        elif arg.startswith("--model.storage="):
+            value, step = arg.split("=", 1)[1], 1
+        if value is not None and value.lstrip().startswith("{") and "class_path" not in value:
+            out += ["--model.storage", "null", "--model.storage", value]
+            i += step
+            continue
+        out.append(arg)
+        i += 1
+    return out
+
+
+def _names_data(args: list[str]) -> bool:
+    """Whether a command line can name its data: a config, a --data option, or a help or
+    print request (which needs none)."""
+    return any(a.startswith(("--config", "--data", "-h", "--help", "--print_config")) or a == "-c" for a in args)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -122,6 +192,10 @@ def main(args: list[str] | None = None) -> None:
 
         (plan_main if argv[0] == "plan" else topology_main)(argv[1:])
         return
+    if argv[:1] in (["fit"], ["validate"], ["test"], ["predict"]) and not _names_data(argv[1:]):
+        print(DEMO_HINT, file=sys.stderr)
+        raise SystemExit(2)
+    warnings.filterwarnings("ignore", message="Couldn.t infer the batch indices")  # ScoreWriter needs none
     # torchrec's KJT asks torch.fx whether it is tracing, which warns once per process.
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     # fbgemm_gpu logs INFO lines through the root logger, whose implicit basicConfig() then
@@ -133,9 +207,14 @@ def main(args: list[str] | None = None) -> None:
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     logging.root.addHandler(handler)
     logging.root.setLevel(logging.WARNING)
+    if args is None:
+        sys.argv[1:] = _replace_whole_storage(argv)  # LightningCLI warns when given args beside sys.argv
+    else:
+        args = _replace_whole_storage(list(args))
     CTRLightningCLI(
-        DLRMModule,
+        CTRModule,
         LightningDataModule,
+        subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
         args=args,

@@ -65,7 +65,9 @@ class AvazuFormat:
     """Reads Avazu CSV logs: ``click`` is the label, ``id`` is dropped, ``hour`` becomes
     hour-of-day and weekday features, every other column is categorical (hashed bytes).
 
-    There are no continuous features; batches carry a ``[B, 0]`` dense tensor.
+    There are no continuous features; batches carry a ``[B, 0]`` dense tensor. A
+    ``group_column`` (for example ``device_ip``, Avazu's nearest to a user id) is also read
+    as the batches' grouping column, for GAUC.
 
     Example::
 
@@ -80,8 +82,11 @@ class AvazuFormat:
     sparse_feature_names = AVAZU_SPARSE
     num_dense_features = 0
 
-    def __init__(self, block_size: int = 1 << 19) -> None:
+    def __init__(self, block_size: int = 1 << 19, group_column: str | None = None) -> None:
+        if group_column is not None and group_column not in AVAZU_COLUMNS:
+            raise ValueError(f"group_column {group_column!r} is not an Avazu column; they are {list(AVAZU_COLUMNS)}")
         self.block_size = block_size
+        self.group_column = group_column
         self._convert = pacsv.ConvertOptions(column_types={c: pa.binary() for c in AVAZU_COLUMNS},
                                              strings_can_be_null=False)
         self._salts = [fd.feature_salt(f) for f in range(len(AVAZU_SPARSE))]
@@ -117,18 +122,26 @@ class AvazuFormat:
         ids[1] = fd.hash_values(weekday, self._salts[1])
         for k, name in enumerate(_CATEGORICAL):
             fd.hash_bytes_ids(*fd.column_buffers(batch.column(3 + k)), self._salts[2 + k], ids[2 + k])
-        return DecodedRows(labels=labels, dense=np.empty((n, 0), dtype=np.float32), ids=ids.T, problems=problems)
+        groups = None
+        if self.group_column is not None:
+            groups = np.empty(n, dtype=np.int64)
+            fd.hash_bytes_ids(*fd.column_buffers(batch.column(AVAZU_COLUMNS.index(self.group_column))),
+                              np.uint64(0), groups)
+        return DecodedRows(labels=labels, dense=np.empty((n, 0), dtype=np.float32), ids=ids.T, problems=problems,
+                           groups=groups)
 
 
 class AvazuDataModule(LogDataModule):
     """Streams Avazu CTR logs (CSV with header; ``.gz`` too; local or fsspec URLs).
 
-    Arguments as :class:`LogDataModule`, plus ``block_size``: bytes parsed at a time.
+    Arguments as :class:`LogDataModule`, plus ``block_size``: bytes parsed at a time, and
+    ``group_column``: a column (e.g. ``"device_ip"``) whose values group the examples for
+    GAUC (``val/gauc``).
 
     Example::
 
         dm = AvazuDataModule(train_paths=["avazu/train.csv"], batch_size=4096, num_workers=2)
     """
 
-    def __init__(self, block_size: int = 1 << 19, **kwargs: Any) -> None:
-        super().__init__(AvazuFormat(block_size=block_size), **kwargs)
+    def __init__(self, block_size: int = 1 << 19, group_column: str | None = None, **kwargs: Any) -> None:
+        super().__init__(AvazuFormat(block_size=block_size, group_column=group_column), **kwargs)

@@ -90,6 +90,11 @@ class BatchDataLoader(DataLoader):
             "rank %d: another rank ran out of data first; %d batches (%d examples) of this epoch were not "
             "used, to keep every rank at the same step count", self.dataset.rank, count, examples)
 
+    def expected_batches(self) -> int:
+        """Batches a pass yields, from the files' record counts (a progress bar's total;
+        fewer when lines are bad). Not ``__len__``: Lightning would stop the epoch there."""
+        return self.dataset.expected_batches()
+
     def position(self, batches: int) -> dict[int, int]:
         """Batches per shard among the first ``batches`` handed out this pass."""
         counts: dict[int, int] = {}

@@ -178,7 +178,7 @@ class LogDataModule(pl.LightningDataModule):
             files, self.format, batch_size=self.batch_size, rank=rank, world_size=world, bad_lines=self.bad_lines,
             skip_batches=skip, epoch=self._current_epoch(), max_bad_fraction=self.max_bad_fraction,
             files=[self._indexes[f] for f in files],
-            seed=self.shuffle_seed, rotate=self.shuffle_shards and split == "train",
+            seed=self.shuffle_seed, rotate=self.shuffle_shards and split == "train", numbered=split == "predict",
         )
         # Every split takes equal steps on all ranks: a sharded embedding collection runs
         # collectives in evaluation too, so a rank that stopped early would hang the rest.

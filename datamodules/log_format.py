@@ -45,17 +45,21 @@ class DecodedRows:
     ids: np.ndarray  # [n, num_one_hot] int64, one id per one-hot categorical feature
     problems: list[tuple[np.ndarray, str]]
     jagged: tuple[JaggedIds, ...] = ()  # multi-hot features, after the one-hot ones
+    groups: np.ndarray | None = None  # [n] int64: the grouping column (user, query) for GAUC
+    records: np.ndarray | None = None  # [n] int64: each row's place in its split's records (predict)
 
     def __len__(self) -> int:
         return len(self.labels)
 
     def slice(self, start: int, stop: int) -> DecodedRows:
         return DecodedRows(self.labels[start:stop], self.dense[start:stop], self.ids[start:stop], [],
-                           tuple(j.slice(start, stop) for j in self.jagged))
+                           tuple(j.slice(start, stop) for j in self.jagged),
+                           _part(self.groups, slice(start, stop)), _part(self.records, slice(start, stop)))
 
     def select(self, keep: np.ndarray) -> DecodedRows:
         return DecodedRows(self.labels[keep], self.dense[keep], self.ids[keep], [],
-                           tuple(j.select(keep) for j in self.jagged))
+                           tuple(j.select(keep) for j in self.jagged), _part(self.groups, keep),
+                           _part(self.records, keep))
 
     @staticmethod
     def concat(parts: list[DecodedRows]) -> DecodedRows:
@@ -65,7 +69,13 @@ class DecodedRows:
             np.concatenate([p.ids for p in parts]),
             [],
             tuple(JaggedIds.concat([p.jagged[k] for p in parts]) for k in range(len(parts[0].jagged))),
+            None if parts[0].groups is None else np.concatenate([p.groups for p in parts]),
+            None if parts[0].records is None else np.concatenate([p.records for p in parts]),
         )
+
+
+def _part(column: np.ndarray | None, index: slice | np.ndarray) -> np.ndarray | None:
+    return None if column is None else column[index]
 
 
 class LogFormat(Protocol):

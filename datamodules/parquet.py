@@ -41,12 +41,13 @@ class ParquetFormat:
     columns (integers or strings) are hashed with their feature index to 63-bit ids.
     Multi-hot columns are lists of integers or strings and become jagged KJT bags (a null
     list is an empty bag). Bad rows (a null label, or one that is not 0/1) are named by
-    their row number in the file.
+    their row number in the file. A ``group_column`` (a user or query id, integers or
+    strings) is read for GAUC, not as a feature.
 
     Example::
 
         fmt = ParquetFormat("click", dense_columns=["price"], categorical_columns=["ad_id"],
-                            multi_hot_columns=["interests"])
+                            multi_hot_columns=["interests"], group_column="user_id")
     """
 
     line_based = False
@@ -60,6 +61,7 @@ class ParquetFormat:
         dense_columns: Sequence[str] = (),
         categorical_columns: Sequence[str] = (),
         multi_hot_columns: Sequence[str] = (),
+        group_column: str | None = None,
     ) -> None:
         if not categorical_columns and not multi_hot_columns:
             raise ValueError("ParquetFormat needs at least one categorical or multi-hot column")
@@ -69,7 +71,10 @@ class ParquetFormat:
         self.multi_hot_columns = list(multi_hot_columns)
         self.sparse_feature_names = tuple(self.categorical_columns + self.multi_hot_columns)
         self.num_dense_features = len(self.dense_columns)
+        self.group_column = group_column
         self.columns = [label_column, *self.dense_columns, *self.sparse_feature_names]
+        if group_column is not None and group_column not in self.columns:
+            self.columns.append(group_column)
         self._salts = [fd.feature_salt(f) for f in range(len(self.sparse_feature_names))]
         self._path = ""
 
@@ -120,8 +125,12 @@ class ParquetFormat:
             flat = pc.list_flatten(column)
             salt = self._salts[len(self.categorical_columns) + k]
             jagged.append(JaggedIds(lengths, _categorical_ids(flat, salt, f"{self._path}: column {name!r}")))
+        groups = None
+        if self.group_column is not None:
+            groups = _categorical_ids(batch.column(self.group_column), np.uint64(0),
+                                      f"{self._path}: group column {self.group_column!r}")
         return DecodedRows(labels=values.astype(np.float32), dense=dense, ids=ids, problems=problems,
-                           jagged=tuple(jagged))
+                           jagged=tuple(jagged), groups=groups)
 
 
 class ParquetDataModule(LogDataModule):
@@ -132,6 +141,8 @@ class ParquetDataModule(LogDataModule):
         dense_columns: numeric features, used as they are.
         categorical_columns: one value per row (integers or strings), hashed to ids.
         multi_hot_columns: lists per row, hashed to ids in jagged bags.
+        group_column: a user or query id per row: validation and test then report GAUC
+            (``val/gauc``), the impression-weighted mean of the groups' AUCs.
         Other arguments as :class:`LogDataModule`; row groups, not byte ranges, are what
         (rank, worker) shards divide.
 
@@ -148,7 +159,9 @@ class ParquetDataModule(LogDataModule):
         dense_columns: list[str] | None = None,
         categorical_columns: list[str] | None = None,
         multi_hot_columns: list[str] | None = None,
+        group_column: str | None = None,
         **kwargs: Any,
     ) -> None:
-        log_format = ParquetFormat(label_column, dense_columns or [], categorical_columns or [], multi_hot_columns or [])
+        log_format = ParquetFormat(label_column, dense_columns or [], categorical_columns or [], multi_hot_columns or [],
+                                   group_column)
         super().__init__(log_format, **kwargs)

@@ -42,6 +42,9 @@ class LogStreamDataset(IterableDataset):
         files: the files' indexes, when the caller has them (else they are counted here).
         epoch, seed, rotate: with ``rotate``, which ranks read which pieces changes with
             the epoch (and seed).
+        numbered: every batch carries each example's place among the files' records
+            (``Batch.records``, 0-based, file after file, header lines not counted), as
+            predictions need to be joined back to their input.
 
     Example::
 
@@ -65,6 +68,7 @@ class LogStreamDataset(IterableDataset):
         epoch: int = 0,
         seed: int = 0,
         rotate: bool = False,
+        numbered: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -82,6 +86,9 @@ class LogStreamDataset(IterableDataset):
         self.max_bad_fraction = max_bad_fraction
         self.drop_last = drop_last
         self.epoch, self.seed, self.rotate = epoch, seed, rotate
+        self.numbered = numbered
+        starts = np.cumsum([0] + [f.records for f in self.files])
+        self._file_starts = {f.path: int(start) for f, start in zip(self.files, starts)}
         # Workers ship about message_rows rows at a time: the per-message cost of
         # inter-process transfer is fixed, so fewer, larger messages read faster.
         self.batches_per_message = max(1, message_rows // batch_size)
@@ -89,6 +96,12 @@ class LogStreamDataset(IterableDataset):
         # in the epoch the restart happened in (``epoch`` as given here) only.
         self.skip_batches = dict(skip_batches or {})
         self.skip_epoch = epoch
+
+    def expected_batches(self) -> int:
+        """Batches every rank yields in a pass, from the files' record counts (fewer if lines
+        are bad): the rank with the smallest share decides, as the ranks stay in step."""
+        smallest_share = sum(f.records for f in self.files) // self.world_size
+        return -(-smallest_share // self.batch_size) if not self.drop_last else smallest_share // self.batch_size
 
     def plan(self, worker: int, num_workers: int) -> list[FileSlice]:
         """What worker ``worker`` of ``num_workers`` of this rank reads this epoch."""
@@ -153,12 +166,18 @@ class LogStreamDataset(IterableDataset):
 
         seen_invalid = 0
         readable = True
+        wrong_width_at: np.ndarray | None = None  # where in the slice the wrong-width lines are, once needed
         try:
             for record_batch in self.format.read(fslice, on_invalid_row):
                 # One block per batch, so rows rejected meanwhile belong to it.
                 reject_wrong_width(range(seen_invalid, len(invalid)))
                 seen_invalid = len(invalid)
                 rows = self.format.decode(record_batch)
+                if self.numbered:
+                    if invalid and wrong_width_at is None:
+                        wrong_width_at = self._wrong_width_lines(fslice)
+                    rows.records = self._file_starts[fslice.path] + fslice.first + _accepted_positions(
+                        accepted_before, record_batch.num_rows, wrong_width_at)
                 if rows.problems:
                     bad_rows = np.flatnonzero(np.logical_or.reduce([mask for mask, _ in rows.problems]))
                     for i in bad_rows:  # in line order, so "raise" names the first bad line
@@ -210,6 +229,13 @@ class LogStreamDataset(IterableDataset):
             f"({bad / max(lines, 1):.1%}), more than max_bad_fraction={self.max_bad_fraction}; first: "
             + "; ".join(examples) + (f". {hint}" if hint else ""))
 
+    def _wrong_width_lines(self, fslice: FileSlice) -> np.ndarray:
+        """Positions in the slice (0-based) of its lines of the wrong width: one more read of
+        the slice, paid only when predicting over a file that has them."""
+        width, delimiter = self.format.num_fields, self.format.delimiter
+        return np.array([i for i, (_, line) in enumerate(iter_lines(fslice)) if line.count(delimiter) + 1 != width],
+                        dtype=np.int64)
+
     def _width_reason(self, text: bytes) -> str:
         fields = text.count(self.format.delimiter) + 1 if text else 0
         return f"expected {self.format.num_fields} fields, found {fields}"
@@ -257,6 +283,16 @@ def index_log_files(paths: Sequence[str], log_format: LogFormat, cache_dir: str 
     """The index of every file, checked against the format (a header it expects)."""
     check = getattr(log_format, "check_file", None)
     return index_files(paths, log_format.header_lines, not log_format.line_based, cache_dir, check)
+
+
+def _accepted_positions(first: int, count: int, skipped: np.ndarray | None) -> np.ndarray:
+    """Positions in a slice of its accepted rows ``first .. first + count - 1``, the rows at
+    the sorted positions ``skipped`` not counted as accepted."""
+    accepted = np.arange(first, first + count, dtype=np.int64)
+    if skipped is None or not len(skipped):
+        return accepted
+    accepted_before_each = skipped - np.arange(len(skipped))  # accepted rows in front of each skipped one
+    return accepted + np.searchsorted(accepted_before_each, accepted, side="right")
 
 
 def _take(pending: list[DecodedRows], n: int) -> tuple[DecodedRows, list[DecodedRows]]:

@@ -21,7 +21,8 @@ class RawBatch(NamedTuple):
     where the constant lengths of one-hot features cost nothing to ship. Each batch is
     laid out as ids int64 [one-hot features * n, then every multi-hot feature's values]
     (feature-major, as a KJT keeps them) | multi-hot lengths int32 [multi-hot * n] |
-    dense float32 [n, d] | labels float32 [n], padded to 8 bytes.
+    dense float32 [n, d] | labels float32 [n], padded to 8 bytes | the optional int64
+    columns [n] each: groups (GAUC's grouping column), then records (predict's row numbers).
     """
 
     buffer: torch.Tensor
@@ -32,19 +33,21 @@ class RawBatch(NamedTuple):
     jagged_values: tuple[int, ...] = ()  # per batch: ids of all multi-hot features together
     num_jagged: int = 0
     bad_lines: tuple[tuple[str, int], ...] = ()  # lines skipped since the shard's last message
+    columns: tuple[str, ...] = ()  # the optional int64 columns present: "groups", "records"
 
     @staticmethod
     def pack(batches: list[DecodedRows], shard: int, bad_lines: tuple[tuple[str, int], ...] = ()) -> RawBatch:
         if not batches:
             return RawBatch(torch.empty(0, dtype=torch.uint8), (), 0, 0, shard, (), 0, bad_lines)
         f, d, j = batches[0].ids.shape[1], batches[0].dense.shape[1], len(batches[0].jagged)
+        columns = tuple(c for c in OPTIONAL_COLUMNS if getattr(batches[0], c) is not None)
         sizes = [_padded(8 * (f * len(b) + sum(len(x.values) for x in b.jagged)) + 4 * (j + d + 1) * len(b))
-                 for b in batches]
+                 + 8 * len(columns) * len(b) for b in batches]
         buffer = np.empty(sum(sizes), dtype=np.uint8)
         start = 0
         for b, size in zip(batches, sizes):
             n = len(b)
-            region = _Regions(start, n, f, d, j, sum(len(x.values) for x in b.jagged))
+            region = _Regions(start, n, f, d, j, sum(len(x.values) for x in b.jagged), len(columns))
             ids = buffer[region.ids].view(np.int64)
             ids[: f * n].reshape(f, n)[:] = b.ids.T
             if j:
@@ -52,25 +55,32 @@ class RawBatch(NamedTuple):
                 buffer[region.lengths].view(np.int32).reshape(j, n)[:] = np.stack([x.lengths for x in b.jagged])
             buffer[region.dense].view(np.float32).reshape(n, d)[:] = b.dense
             buffer[region.labels].view(np.float32)[:] = b.labels
+            for c, name in enumerate(columns):
+                buffer[region.column(c)].view(np.int64)[:] = getattr(b, name)
             start += size
         return RawBatch(torch.from_numpy(buffer), tuple(len(b) for b in batches), d, f, shard,
-                        tuple(sum(len(x.values) for x in b.jagged) for b in batches), j, bad_lines)
+                        tuple(sum(len(x.values) for x in b.jagged) for b in batches), j, bad_lines, columns)
 
     def to_batches(self, keys: list[str], ones: _Ones) -> Iterator[Batch]:
         d, f, j = self.num_dense, self.num_sparse, self.num_jagged
         start = 0
         for k, n in enumerate(self.rows):
             jagged_values = self.jagged_values[k] if j else 0
-            region = _Regions(start, n, f, d, j, jagged_values)
+            region = _Regions(start, n, f, d, j, jagged_values, len(self.columns))
             lengths = ones(f * n)
             if j:
                 lengths = torch.cat([lengths, self.buffer[region.lengths].view(torch.int32)])
+            extra = {name: self.buffer[region.column(c)].view(torch.int64) for c, name in enumerate(self.columns)}
             yield Batch(
                 dense=self.buffer[region.dense].view(torch.float32).view(n, d),
                 sparse=KeyedJaggedTensor(keys=keys, values=self.buffer[region.ids].view(torch.int64), lengths=lengths),
                 labels=self.buffer[region.labels].view(torch.float32),
+                **extra,
             )
             start += region.size
+
+
+OPTIONAL_COLUMNS = ("groups", "records")
 
 
 class _Ones:
@@ -99,7 +109,7 @@ def _padded(size: int) -> int:
 class _Regions:
     """Byte ranges of one packed batch (see :class:`RawBatch`)."""
 
-    def __init__(self, start: int, n: int, f: int, d: int, j: int, jagged_values: int) -> None:
+    def __init__(self, start: int, n: int, f: int, d: int, j: int, jagged_values: int, columns: int = 0) -> None:
         ids_end = start + 8 * (f * n + jagged_values)
         lengths_end = ids_end + 4 * j * n
         dense_end = lengths_end + 4 * d * n
@@ -108,4 +118,10 @@ class _Regions:
         self.lengths = slice(ids_end, lengths_end)
         self.dense = slice(lengths_end, dense_end)
         self.labels = slice(dense_end, labels_end)
-        self.size = _padded(labels_end - start)
+        self._columns_start, self._n = start + _padded(labels_end - start), n
+        self.size = _padded(labels_end - start) + 8 * columns * n
+
+    def column(self, c: int) -> slice:
+        """The c-th optional int64 column."""
+        first = self._columns_start + 8 * c * self._n
+        return slice(first, first + 8 * self._n)

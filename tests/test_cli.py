@@ -9,6 +9,22 @@ def test_help_lists_the_overrides(in_process, capsys):
     for flag in ("--trainer.max_steps", "--model.embedding_dim", "--model.learning_rate", "--data.batch_size",
                  "--data.train_paths", "--data.train_rows"):
         assert flag in out
+    # Every model and DataModule by name, with its own arguments.
+    for name in ("DLRMModule:", "DCNv2Module: --model.cross_layers", "DeepFMModule: --model.deep_layer_sizes",
+                 "WideDeepModule: --model.deep_layer_sizes",
+                 "CriteoDataModule:", "AvazuDataModule:", "ParquetDataModule: --data.label_column",
+                 "SyntheticCriteoDataModule:", "SyntheticStreamDataModule:", "ctr-lightning predict"):
+        assert name in out, name
+
+
+@pytest.mark.parametrize("command", ["fit", "validate", "predict"])
+def test_a_command_with_nothing_to_read_says_how_to_start(in_process, capsys, command):
+    with pytest.raises(SystemExit) as exit:
+        in_process([command])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "ctr-lightning fit --config configs/demo.yaml" in err
+    assert "Traceback" not in err and "error:" not in err
 
 
 def test_unknown_config_key_fails_naming_it(tmp_path, in_process, capsys):
@@ -73,3 +89,14 @@ def test_plan_for_recorded_cluster_and_refusal(in_process, capsys):
     with pytest.raises(SystemExit, match=r"demo.yaml does not fit: rank 0: its tables hold"):
         in_process(["plan", "--config", "configs/demo.yaml", "--topology", "tests/topology/machines/vm_1socket.json",
                     "--rows_per_table", "10000000000"])
+
+
+def test_a_whole_storage_on_the_command_line_replaces_the_configs(tmp_path, in_process, capsys):
+    """configs/out_of_core.yaml holds a StorageConfig; AutoStorage's keys replace it."""
+    with pytest.raises(SystemExit):
+        in_process(["fit", "--config", "configs/out_of_core.yaml", "--model.storage",
+                    '{"ssd_dirs": ["' + str(tmp_path) + '"], "reserve_bytes": 0}', "--print_config"])
+    import yaml
+
+    storage = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["storage"]
+    assert storage["ssd_dirs"] == [str(tmp_path)] and storage["reserve_bytes"] == 0 and "device_bytes" not in storage

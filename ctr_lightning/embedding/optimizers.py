@@ -86,3 +86,7 @@ def _check_eps(optimizer: SparseSGD) -> None:
 
 
 SparseOptimizer = SparseSGD | SparseAdagrad | RowWiseAdagrad | SparseAdam
+
+SPARSE_OPTIMIZERS: dict[str, type[SparseOptimizer]] = {
+    "adam": SparseAdam, "adagrad": SparseAdagrad, "rowwise_adagrad": RowWiseAdagrad, "sgd": SparseSGD}
+"""The sparse optimizers by the name a model's ``sparse_optimizer`` argument gives."""

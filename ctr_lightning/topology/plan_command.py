@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from ctr_lightning.embedding.optimizers import SparseAdam
+from ctr_lightning.embedding.optimizers import SPARSE_OPTIMIZERS
 from ctr_lightning.topology.access_profile import TableAccess, measure_access
 from ctr_lightning.topology.discovery import discover
 from ctr_lightning.topology.machine import Machine
@@ -47,26 +47,24 @@ def describe_machine(machine: Machine) -> str:
 
 
 def shape_from_config(config: Mapping[str, Any], rows_per_table: int | None = None) -> tuple[ModelShape, Any]:
-    """The :class:`ModelShape` of a ``ctr-lightning fit`` config (a DLRMModule and its data),
-    and the DataModule, built but not set up."""
+    """The :class:`ModelShape` of a ``ctr-lightning fit`` config (any :class:`CTRModule`,
+    DLRM unless its ``model.class_path`` names another, and its data), and the DataModule,
+    built but not set up."""
     from ctr_lightning.models import DLRMModule
 
-    defaults = {p.name: p.default for p in inspect.signature(DLRMModule.__init__).parameters.values()
-                if p.default is not inspect.Parameter.empty}
-    model = {**defaults, **(config.get("model") or {})}
+    model_class, model = model_from_config(config)
     data_spec = config.get("data") or {}
     if "class_path" not in data_spec:
         raise ValueError("the config has no data.class_path: plan needs the DataModule to know the features")
     module, _, name = data_spec["class_path"].rpartition(".")
     datamodule = getattr(importlib.import_module(module), name)(**(data_spec.get("init_args") or {}))
     features = list(getattr(datamodule, "sparse_feature_names", None) or model["sparse_feature_names"])
-    dense_in = getattr(datamodule, "num_dense_features", None) or model["num_dense_features"]
+    dense_in = getattr(datamodule, "num_dense_features", None)
+    dense_in = model["num_dense_features"] if dense_in is None else dense_in
     batch = (data_spec.get("init_args") or {}).get("batch_size") or getattr(datamodule, "batch_size", None)
     if not batch:
         raise ValueError(f"{data_spec['class_path']}: no batch_size in the config")
     rows = rows_per_table or model["num_embeddings"]
-    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=model["embedding_dim"], num_embeddings=rows,
-                                 feature_names=[f]) for f in features]
     strategy = (config.get("trainer") or {}).get("strategy")
     k = 1
     if isinstance(strategy, Mapping) and str(strategy.get("class_path", "")).endswith("KStepAdamStrategy"):
@@ -74,10 +72,41 @@ def shape_from_config(config: Mapping[str, Any], rows_per_table: int | None = No
     sparse_sync = model.get("sparse_sync") or "step"
     if sparse_sync == "k_step":  # the tables' interval: sync_every, else the strategy's k, else 16
         k = int(model.get("sync_every") or (k if k > 1 else 16))
-    shape = ModelShape.dlrm(tables, SparseAdam(lr=model["sparse_learning_rate"]), int(batch), int(dense_in),
-                            model["dense_arch_layer_sizes"], model["over_arch_layer_sizes"], k=k,
-                            sparse_sync=sparse_sync)
-    return shape, datamodule
+    optimizer = SPARSE_OPTIMIZERS[model.get("sparse_optimizer") or "adam"](lr=model["sparse_learning_rate"])
+    if issubclass(model_class, DLRMModule):
+        tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=model["embedding_dim"], num_embeddings=rows,
+                                     feature_names=[f]) for f in features]
+        shape = ModelShape.dlrm(tables, optimizer, int(batch), int(dense_in), model["dense_arch_layer_sizes"],
+                                model["over_arch_layer_sizes"], k=k, sparse_sync=sparse_sync)
+        return shape, datamodule
+    # Another model: its dense part counted from the built module (tables in memory, no rows
+    # created), about 6 FLOPs per parameter and example for its linear layers' forward and backward.
+    built = model_class(**{**model, "sparse_feature_names": features, "num_dense_features": int(dense_in),
+                           "storage": None, "sharding": "row_wise", "sparse_sync": "step"})
+    params = sum(p.numel() for p in built.dense_parameters())
+    tables = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=built.table_dim, num_embeddings=rows,
+                                 feature_names=[f]) for f in features]
+    return ModelShape(tuple(tables), optimizer, int(batch), 6.0 * params, params, k, sparse_sync), datamodule
+
+
+def model_from_config(config: Mapping[str, Any]) -> tuple[type, dict[str, Any]]:
+    """A config's model class (DLRMModule unless ``model.class_path`` names another) and its
+    arguments, the class's defaults filled in."""
+    from ctr_lightning.models import DLRMModule
+
+    spec = dict(config.get("model") or {})
+    model_class: type = DLRMModule
+    if "class_path" in spec:
+        path = str(spec["class_path"])
+        module, _, name = path.rpartition(".")
+        model_class = getattr(importlib.import_module(module or "ctr_lightning.models"), name)
+        spec = dict(spec.get("init_args") or {})
+    defaults: dict[str, Any] = {}
+    for klass in reversed(model_class.__mro__):
+        if "__init__" in vars(klass) and klass.__module__.startswith("ctr_lightning"):
+            defaults.update({p.name: p.default for p in inspect.signature(klass.__init__).parameters.values()
+                             if p.default is not inspect.Parameter.empty})
+    return model_class, {**defaults, **spec}
 
 
 def plan_for_config(config: Mapping[str, Any], machine: Machine, num_nodes: int | None = None,
@@ -86,7 +115,7 @@ def plan_for_config(config: Mapping[str, Any], machine: Machine, num_nodes: int 
     """The plan ``ctr-lightning fit`` makes for ``config`` on machines like ``machine``."""
     shape, datamodule = shape_from_config(config, rows_per_table)
     trainer = config.get("trainer") or {}
-    model = config.get("model") or {}
+    _, model = model_from_config(config)
     storage = model.get("storage") if isinstance(model.get("storage"), Mapping) else {}
     devices = trainer.get("devices")
     accelerator = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}.get(str(trainer.get("accelerator", "auto")), "auto")
@@ -115,9 +144,9 @@ def plan_for_config(config: Mapping[str, Any], machine: Machine, num_nodes: int 
 
 
 def _default(name: str) -> Any:
-    from ctr_lightning.models import DLRMModule
+    from ctr_lightning.models import CTRModule
 
-    return inspect.signature(DLRMModule.__init__).parameters[name].default
+    return inspect.signature(CTRModule.__init__).parameters[name].default
 
 
 def plan_main(argv: list[str] | None = None) -> None:

@@ -87,3 +87,28 @@ def test_multi_node_config_trains_with_kstep_adam_on_two_processes(tmp_path, syn
     assert "KStepAdamStrategy: k=4, mode=all, 1 node(s) x 2 rank(s)" in out and "val/auc=" in out
     events = EventAccumulator(str(next((tmp_path / "runs").rglob("events.out.tfevents.*")))).Reload()
     assert {"kstep/merge_ms", "kstep/divergence", "kstep/intra_node_bytes"} <= set(events.Tags()["scalars"])
+
+
+@pytest.mark.parametrize("config", ["dcnv2", "deepfm", "wide_deep"])
+def test_each_model_config_trains_and_its_checkpoint_predicts(tmp_path, in_process, config):
+    data = tmp_path / "data"
+    in_process(["fit", "--config", f"configs/{config}.yaml", "--data.data_dir", str(data),
+                "--data.train_rows", "3000", "--data.val_rows", "500", "--data.batch_size", "256",
+                "--data.num_workers", "0", "--model.embedding_dim", "4", "--model.deep_layer_sizes", "[8]",
+                "--trainer.max_steps", "12", "--trainer.logger.init_args.save_dir", str(tmp_path / "runs")])
+    run = tmp_path / "runs" / config / "version_0"
+    hparams = yaml.safe_load((run / "hparams.yaml").read_text())
+    assert hparams["deep_layer_sizes"] == [8] and hparams["embedding_dim"] == 4
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert {"val/auc", "val/logloss", "val/calibration"} <= set(events.Tags()["scalars"])
+    # predict with the fitted checkpoint: scores stream to files, one line per record.
+    (val,) = data.glob("*/val-*.tsv")
+    in_process(["predict", "--config", f"configs/{config}.yaml", "--data", "CriteoDataModule",
+                "--data.predict_paths", f"[{val}]", "--data.batch_size", "128", "--model.embedding_dim", "4",
+                "--model.deep_layer_sizes", "[8]", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"),
+                "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path / "pred")])
+    lines = (tmp_path / "pred" / "predictions" / "scores-rank00000.tsv").read_text().splitlines()
+    assert lines[0] == "row\tlabel\tscore" and len(lines) == 501
+    assert [int(line.split("\t")[0]) for line in lines[1:]] == list(range(500))
+    assert all(0.0 < float(line.split("\t")[2]) < 1.0 for line in lines[1:])

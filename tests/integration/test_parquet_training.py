@@ -71,3 +71,38 @@ def test_hive_day_partitions_train_online_in_date_order(tmp_path):
                callbacks=[Record()]).fit(model, datamodule=dm)
     day = {d: [str(p) for p in paths] for d, paths in written.items()}
     assert seen == [(day["2026-12-01"], day["2026-12-02"]), (day["2026-12-02"], day["2026-12-03"])]
+
+
+def test_a_group_column_reports_gauc_over_the_files_users(tmp_path):
+    rng = np.random.default_rng(3)
+    rows = 2000
+    user = rng.choice([f"u{k}" for k in range(40)], rows)
+    ad = rng.integers(0, 200, rows)
+    click = (rng.random(rows) < 0.1 + 0.6 * (ad % 2)).astype(np.int64)
+    path = tmp_path / "val.parquet"
+    pq.write_table(pa.table({"click": click, "price": rng.random(rows), "ad": ad, "user": user}), path,
+                   row_group_size=700)
+    dm = ParquetDataModule(train_paths=[str(path)], val_paths=[str(path)], label_column="click",
+                           dense_columns=["price"], categorical_columns=["ad"], group_column="user", batch_size=128)
+    model = DLRMModule(sparse_feature_names=dm.sparse_feature_names, num_dense_features=1, num_embeddings=1000,
+                       embedding_dim=4, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[8, 1],
+                       sparse_learning_rate=0.1)
+    trainer = pl.Trainer(max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(model, datamodule=dm)
+    logged = float(trainer.callback_metrics["val/gauc"])
+    # The same metric over the file's own user strings and the model's scores, in file order.
+    import torch
+
+    from ctr_lightning.metrics import group_auc
+
+    model.eval()
+    scores = []
+    with torch.no_grad():
+        for batch in dm.val_dataloader():
+            assert batch.groups is not None and len(batch.groups) == len(batch)
+            scores.append(model(batch))
+    users = torch.tensor([int(u[1:]) for u in user])
+    expected = float(group_auc(torch.cat(scores).double(), torch.from_numpy(click).bool(), users))
+    assert logged == pytest.approx(expected, abs=1e-6)
+    assert logged > 0.6  # the ad decides the click, within every user

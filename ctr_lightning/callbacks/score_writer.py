@@ -1,0 +1,123 @@
+"""Streams predicted click probabilities to files, batch by batch, on every rank."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+
+from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.utilities import rank_zero_info
+
+FORMATS = ("tsv", "parquet")
+
+
+class ScoreWriter(BasePredictionWriter):
+    """Writes every predicted batch at once, so memory stays constant however many rows
+    are scored: one file per rank, ``scores-rank<r>.<tsv|parquet>`` in ``output_dir``,
+    with columns ``row`` (the example's place among the predict files' records, 0-based,
+    file after file, header lines not counted; a rank-local count when the data gives none),
+    ``label`` (when the data has one) and ``score`` (the click probability). Files are
+    written under a ``.partial`` name and renamed when the pass completes.
+
+    ``ctr-lightning predict`` adds one (to ``<default_root_dir>/predictions``) unless the
+    config names a prediction writer, and keeps no predictions in memory.
+
+    Example::
+
+        trainer = Trainer(callbacks=[ScoreWriter("scores", file_format="parquet")])
+        trainer.predict(model, datamodule=dm, return_predictions=False)
+    """
+
+    def __init__(self, output_dir: str = "predictions", file_format: str = "tsv",
+                 rows_per_write: int = 1 << 16) -> None:
+        super().__init__(write_interval="batch")
+        if file_format not in FORMATS:
+            raise ValueError(f"ScoreWriter: file_format must be one of {FORMATS}, got {file_format!r}")
+        self.output_dir = Path(output_dir)
+        self.file_format = file_format
+        self.rows_per_write = rows_per_write
+        self.path: Path | None = None
+        self.rows_written = 0
+        self._file: Any = None
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pending_rows = 0
+        self._next_row = 0
+
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.output_dir / f"scores-rank{trainer.global_rank:05d}.{self.file_format}"
+        self.rows_written, self._next_row = 0, 0
+        self._pending, self._pending_rows = [], 0
+        self._file = None
+
+    def write_on_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, prediction: Any,
+                           batch_indices: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        scores = prediction.detach().float().cpu().numpy().reshape(-1)
+        records = getattr(batch, "records", None)
+        if records is None:
+            rows = np.arange(self._next_row, self._next_row + len(scores), dtype=np.int64)
+        else:
+            rows = records.cpu().numpy()
+        self._next_row += len(scores)
+        labels = batch.labels.detach().float().cpu().numpy().reshape(-1)
+        if len(rows) != len(scores) or len(labels) != len(scores):
+            raise ValueError(f"ScoreWriter: batch {batch_idx} has {len(scores)} scores for {len(rows)} rows and "
+                             f"{len(labels)} labels; predict_step must return one score per example")
+        self._pending.append((rows, labels, scores))
+        self._pending_rows += len(scores)
+        if self._pending_rows >= self.rows_per_write:
+            self._flush()
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._flush()
+        if self._file is None:
+            self._open()  # a rank with nothing to score still leaves its (empty) file
+        self._file.close()
+        self._file = None
+        os.replace(self._partial(), self.path)
+        rank_zero_info(f"ScoreWriter: {self.rows_written} scores of rank 0 in {self.path} "
+                       f"({trainer.world_size} file(s) in {self.output_dir})")
+
+    def _partial(self) -> Path:
+        return self.path.with_name(self.path.name + ".partial")
+
+    def _open(self) -> None:
+        if self.file_format == "tsv":
+            self._file = open(self._partial(), "w", encoding="ascii")
+            self._file.write("row\tlabel\tscore\n")
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            schema = pa.schema([("row", pa.int64()), ("label", pa.float32()), ("score", pa.float32())])
+            self._file = pq.ParquetWriter(str(self._partial()), schema)
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        if self._file is None:
+            self._open()
+        rows, labels, scores = (np.concatenate(column) for column in zip(*self._pending))
+        self._pending, self._pending_rows = [], 0
+        if self.file_format == "tsv":
+            label_text = np.where(np.isnan(labels), "", np.char.mod("%g", labels))
+            lines = np.char.add(np.char.add(np.char.add(np.char.add(rows.astype(str), "\t"), label_text), "\t"),
+                                np.char.mod("%.7g", scores))
+            self._file.write("\n".join(lines.tolist()) + "\n")
+        else:
+            import pyarrow as pa
+
+            self._file.write_table(pa.table({"row": rows, "label": labels.astype(np.float32),
+                                             "score": scores.astype(np.float32)}))
+        self.rows_written += len(rows)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._file is not None:  # an interrupted pass: its file stays .partial
+            self._file.close()
+            self._file = None
+
+

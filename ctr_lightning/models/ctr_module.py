@@ -1,0 +1,232 @@
+"""The base LightningModule of every CTR model: tables, losses, metrics, logging, predict."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics.classification import BinaryAUROC
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+from ctr_lightning.batch import Batch
+from ctr_lightning.datamodules.criteo_schema import NUM_DENSE, SPARSE_NAMES
+from ctr_lightning.embedding import AutoStorage, StorageConfig, TieredEmbeddingBagCollection
+from ctr_lightning.embedding.optimizers import SPARSE_OPTIMIZERS
+from ctr_lightning.metrics import Calibration, GroupAUC, LogLoss, NormalizedEntropy
+
+POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+
+
+class CTRModule(pl.LightningModule):
+    """What every click-through-rate model repeats: one table per categorical feature in a
+    :class:`TieredEmbeddingBagCollection` (any storage, sharding and sparse optimizer), the
+    split of dense and sparse parameters, the loss, the quality metrics (AUC, log loss, NE,
+    calibration, and GAUC when the data has a grouping column), their logging, and predict.
+
+    A model subclasses it, builds its dense layers after ``super().__init__(**kwargs)`` and
+    defines :meth:`forward` from a :class:`~ctr_lightning.Batch` to one logit per example.
+    The tables are :attr:`embeddings`, updated by their own fused optimizer inside
+    backward; Lightning's optimizer (Adam) trains the rest.
+
+    Args:
+        sparse_feature_names: categorical features, one table each (linked from the data by the CLI).
+        num_dense_features: continuous features (linked from the data by the CLI).
+        embedding_dim: width of every table.
+        num_embeddings: expected rows per table: sets the initial scale and the planner's
+            shares. Any 64-bit id gets its own row.
+        learning_rate: Adam learning rate of the dense part.
+        sparse_learning_rate: learning rate of the tables' optimizer (fused into backward).
+        sparse_optimizer: ``"adam"``, ``"adagrad"``, ``"rowwise_adagrad"`` or ``"sgd"``.
+        pooling: how a multi-hot feature's rows pool into one vector: ``"sum"`` or ``"mean"``.
+        storage: tier capacities and SSD directory of the tables; default all in the device tier.
+            ``"auto"`` (or an :class:`AutoStorage`): planned from the machine at the start of
+            fit (``ctr_lightning.topology``): each rank's tier budgets, SSD directory and CPUs
+            (the process and its DataLoader workers are pinned to them), the plan logged to
+            TensorBoard as text (``placement_plan``).
+        seed: initial table weights.
+        sharding: how the tables split over ranks in a distributed run (``"row_wise"``,
+            ``"table_wise"``, ``"data_parallel"``, ``"auto"``); see :class:`TieredEmbeddingBagCollection`.
+        sparse_sync, sync_every: ``"step"`` (pooled rows travel every step) or ``"k_step"``
+            (local replicas, deltas averaged by the owners every ``sync_every`` steps; default: the
+            k of a ``KStepAdamStrategy``, else 16).
+        sync_state_dtype: the dtype Adam's moments of rows travel in under ``"k_step"``
+            (``"bfloat16"``, or ``"float32"`` for an exact average).
+
+    Example::
+
+        class TwoTower(CTRModule):
+            def __init__(self, hidden: int = 64, **kwargs):
+                super().__init__(**kwargs)
+                self.mlp = MLP(self.num_dense_features + self.num_sparse_features * self.hparams.embedding_dim,
+                               [hidden], output_dim=1)
+
+            def forward(self, batch):
+                vectors = self.embed(batch.sparse)                       # [B, F, dim]
+                return self.mlp(torch.cat([batch.dense, vectors.flatten(1)], 1)).squeeze(-1)
+    """
+
+    first_order: ClassVar[bool] = False
+    """When true, every table row holds one more column, the feature's first-order
+    (linear) weight, looked up with its vector: :meth:`embed_with_weights` splits it off."""
+
+    def __init__(
+        self,
+        sparse_feature_names: Sequence[str] = SPARSE_NAMES,
+        num_dense_features: int = NUM_DENSE,
+        embedding_dim: int = 16,
+        num_embeddings: int = 100_000,
+        learning_rate: float = 1e-3,
+        sparse_learning_rate: float = 0.01,
+        sparse_optimizer: str = "adam",
+        pooling: str = "sum",
+        storage: StorageConfig | AutoStorage | str | None = None,
+        seed: int = 0,
+        sharding: str = "row_wise",
+        sparse_sync: str = "step",
+        sync_every: int | None = None,
+        sync_state_dtype: str = "bfloat16",
+    ) -> None:
+        super().__init__()
+        if not sparse_feature_names:
+            raise ValueError(f"{type(self).__name__} needs at least one sparse feature")
+        if embedding_dim < 1 or num_embeddings < 1:
+            raise ValueError(f"embedding_dim and num_embeddings must be >= 1, got {embedding_dim}, {num_embeddings}")
+        if num_dense_features < 0:
+            raise ValueError(f"num_dense_features must be >= 0, got {num_dense_features}")
+        if sparse_optimizer not in SPARSE_OPTIMIZERS:
+            raise ValueError(f"sparse_optimizer must be one of {sorted(SPARSE_OPTIMIZERS)}, got {sparse_optimizer!r}")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {sorted(POOLINGS)}, got {pooling!r}")
+        # Collects the arguments of every __init__ in the chain, the subclass's own included.
+        self.save_hyperparameters()
+        self.sparse_feature_names = list(sparse_feature_names)
+        self.num_sparse_features = len(self.sparse_feature_names)
+        self.num_dense_features = num_dense_features
+        self.embedding_dim = embedding_dim
+        self.table_dim = embedding_dim + (1 if self.first_order else 0)
+        tables = [
+            EmbeddingBagConfig(name=f"t_{name}", embedding_dim=self.table_dim, num_embeddings=num_embeddings,
+                               feature_names=[name], pooling=POOLINGS[pooling])
+            for name in self.sparse_feature_names
+        ]
+        self.embeddings = TieredEmbeddingBagCollection(
+            tables, storage=storage, optimizer=SPARSE_OPTIMIZERS[sparse_optimizer](lr=sparse_learning_rate),
+            seed=seed, sharding=sharding, sparse_sync=sparse_sync, sync_every=sync_every,
+            sync_state_dtype=sync_state_dtype)
+        self.val_metrics = _quality_metrics()
+        self.test_metrics = _quality_metrics()
+        self._bytes_before = 0
+
+    # -- what a model defines ----------------------------------------------------------
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """One logit per example, ``[B]``."""
+        raise NotImplementedError(f"{type(self).__name__} must define forward(batch) -> logits [B]")
+
+    # -- what a model uses -------------------------------------------------------------
+
+    def embed(self, sparse: Any) -> torch.Tensor:
+        """The pooled vector of every categorical feature of every example: ``[B, F, table_dim]``,
+        features in :attr:`sparse_feature_names` order."""
+        pooled = self.embeddings(sparse)
+        return pooled.values().view(-1, self.num_sparse_features, self.table_dim)
+
+    def embed_with_weights(self, sparse: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """For a :attr:`first_order` model: the features' vectors ``[B, F, embedding_dim]``
+        and the sum of their first-order weights ``[B]``."""
+        if not self.first_order:
+            raise TypeError(f"{type(self).__name__} has no first-order column; set first_order = True")
+        rows = self.embed(sparse)
+        return rows[..., : self.embedding_dim], rows[..., self.embedding_dim].sum(dim=1)
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        """Parameters for Lightning's optimizer: everything but the sparse tables."""
+        sparse = {id(p) for p in self.embeddings.parameters()}
+        return [p for p in self.parameters() if id(p) not in sparse]
+
+    # -- Lightning hooks ---------------------------------------------------------------
+
+    def on_fit_start(self) -> None:
+        placement = self._place_tables()
+        if placement is None:
+            return
+        cpus = placement.bind_cpus()
+        text = placement.plan.to_text()
+        rank_zero_info(f"storage auto: rank {self.global_rank} on CPUs {list(cpus)}; SSD "
+                       f"{placement.rank.ssd_dir}\n{text}")
+        experiment = getattr(self.logger, "experiment", None)
+        if self.global_rank == 0 and hasattr(experiment, "add_text"):
+            # Indented four spaces: TensorBoard renders text as Markdown, and the tables are aligned.
+            experiment.add_text("placement_plan", "\n".join("    " + line for line in text.splitlines()))
+
+    def _place_tables(self) -> Any:
+        """Plan the tables' tiers under ``storage: auto``, with the data's batch size and, when
+        asked, id counts of its first batches."""
+        auto = self.embeddings.auto_storage
+        if auto is None:
+            return None
+        datamodule = getattr(self.trainer, "datamodule", None)
+        batch_size = (getattr(datamodule, "batch_size", None)
+                      or (getattr(datamodule, "hparams", None) or {}).get("batch_size") or 4096)
+        access = None
+        if auto.profile_batches and datamodule is not None:
+            from ctr_lightning.topology import measure_access
+
+            tables = self.embeddings.embedding_bag_configs()
+            access = measure_access(datamodule.train_dataloader(), {t.name: list(t.feature_names) for t in tables},
+                                    {t.name: t.num_embeddings for t in tables}, auto.profile_batches)
+        return self.embeddings.plan_placement(int(batch_size), access)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch))
+        return loss
+
+    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
+        self._bytes_before = self.embeddings.comm_bytes()
+
+    def on_train_batch_end(self, outputs: Any, batch: Batch, batch_idx: int) -> None:
+        # After backward: the bytes this rank's all-to-alls sent in this step (0 unsharded).
+        sent = self.embeddings.comm_bytes() - self._bytes_before
+        if sent:
+            self.log("comm/embedding_bytes_per_step", float(sent), batch_size=len(batch))
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_metrics)
+
+    def test_step(self, batch: Batch, batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_metrics)
+
+    def _evaluate(self, batch: Batch, stage: str, metrics: nn.ModuleDict) -> None:
+        logits = self(batch)
+        labels = batch.labels
+        self.log(f"{stage}/loss", F.binary_cross_entropy_with_logits(logits, labels),
+                 batch_size=len(batch), sync_dist=True)
+        # AUC gets probabilities: torchmetrics would guess per batch whether values are logits.
+        metrics["auc"].update(torch.sigmoid(logits), labels.long())
+        metrics["logloss"].update(logits, labels)
+        metrics["ne"].update(logits, labels)
+        metrics["calibration"].update(logits, labels)
+        if batch.groups is not None:
+            metrics["gauc"].update(logits, labels, batch.groups)
+        for name, metric in metrics.items():
+            if name != "gauc" or metric.update_called:
+                self.log(f"{stage}/{name}", metric, prog_bar=name == "auc")
+
+    def predict_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        """Click probabilities ``[B]`` (a :class:`~ctr_lightning.callbacks.ScoreWriter`
+        streams them to files)."""
+        return torch.sigmoid(self(batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.dense_parameters(), lr=self.hparams.learning_rate)
+
+
+def _quality_metrics() -> nn.ModuleDict:
+    return nn.ModuleDict({"auc": BinaryAUROC(), "logloss": LogLoss(), "ne": NormalizedEntropy(),
+                          "calibration": Calibration(), "gauc": GroupAUC()})
