@@ -41,7 +41,8 @@ class ParquetFormat:
     columns (integers or strings) are hashed with their feature index to 63-bit ids.
     Multi-hot columns are lists of integers or strings and become jagged KJT bags (a null
     list is an empty bag). Bad rows (a null label, or one that is not 0/1) are named by
-    their row number in the file. A ``group_column`` (a user or query id, integers or
+    their row number in the file; a file without the label column reads as unlabeled (NaN
+    labels), which only ``predict_paths`` accept. A ``group_column`` (a user or query id, integers or
     strings) is read for GAUC, not as a feature.
 
     Example::
@@ -77,6 +78,7 @@ class ParquetFormat:
             self.columns.append(group_column)
         self._salts = [fd.feature_salt(f) for f in range(len(self.sparse_feature_names))]
         self._path = ""
+        self.unlabeled_reason: str | None = None  # why the file being read has no labels
 
     def read(self, fslice: FileSlice, on_invalid_row: Callable[[object], str]) -> Iterator[pa.RecordBatch]:
         self._path = fslice.path
@@ -86,8 +88,13 @@ class ParquetFormat:
             except pa.ArrowInvalid as e:
                 raise BadLineError(fslice.path, None, f"not a Parquet file ({e})") from e
             missing = [c for c in self.columns if c not in pf.schema_arrow.names]
-            if missing:
+            # A file without labels can still be scored: its labels read as NaN, which only
+            # a predict pass accepts (LogStreamDataset refuses them elsewhere).
+            columns = [c for c in self.columns if c != self.label_column] if missing == [self.label_column] else None
+            if missing and columns is None:
                 raise BadLineError(fslice.path, None, f"missing columns {missing}; it has {pf.schema_arrow.names}")
+            self.unlabeled_reason = (f"missing label column {self.label_column!r}; it has {pf.schema_arrow.names}"
+                                     if columns else None)
             # The row groups that overlap the slice, each cut to it: one batch per piece.
             stop = pf.metadata.num_rows if fslice.stop is None else fslice.stop
             start = 0
@@ -95,7 +102,7 @@ class ParquetFormat:
                 rows = pf.metadata.row_group(group).num_rows
                 lo, hi = max(fslice.first, start), min(stop, start + rows)
                 if hi > lo:
-                    table = pf.read_row_group(group, columns=self.columns).slice(lo - start, hi - lo)
+                    table = pf.read_row_group(group, columns=columns or self.columns).slice(lo - start, hi - lo)
                     yield table.combine_chunks().to_batches()[0]
                 start += rows
                 if start >= stop:
@@ -103,10 +110,13 @@ class ParquetFormat:
 
     def decode(self, batch: pa.RecordBatch) -> DecodedRows:
         n = batch.num_rows
-        label = batch.column(self.label_column).cast(pa.float64())
-        values = pc.fill_null(label, -1.0).to_numpy(zero_copy_only=False)
-        bad = (values != 0.0) & (values != 1.0)
-        problems = [(bad, f"{self.label_column} is not 0 or 1")] if bad.any() else []
+        if self.label_column in batch.schema.names:
+            label = batch.column(self.label_column).cast(pa.float64())
+            values = pc.fill_null(label, -1.0).to_numpy(zero_copy_only=False)
+            bad = (values != 0.0) & (values != 1.0)
+            problems = [(bad, f"{self.label_column} is not 0 or 1")] if bad.any() else []
+        else:
+            values, problems = np.full(n, np.nan), []
         dense = np.zeros((n, len(self.dense_columns)), dtype=np.float32)
         for j, name in enumerate(self.dense_columns):
             column = batch.column(name)

@@ -173,6 +173,9 @@ class LogStreamDataset(IterableDataset):
                 reject_wrong_width(range(seen_invalid, len(invalid)))
                 seen_invalid = len(invalid)
                 rows = self.format.decode(record_batch)
+                if not self.numbered and len(rows.labels) and np.isnan(rows.labels).any():
+                    reason = getattr(self.format, "unlabeled_reason", None) or "no labels"
+                    raise BadLineError(fslice.path, None, f"{reason}; only predict_paths may be unlabeled")
                 if self.numbered:
                     if invalid and wrong_width_at is None:
                         wrong_width_at = self._wrong_width_lines(fslice)

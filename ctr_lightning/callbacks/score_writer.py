@@ -20,7 +20,7 @@ class ScoreWriter(BasePredictionWriter):
     are scored: one file per rank, ``scores-rank<r>.<tsv|parquet>`` in ``output_dir``,
     with columns ``row`` (the example's place among the predict files' records, 0-based,
     file after file, header lines not counted; a rank-local count when the data gives none),
-    ``label`` (when the data has one) and ``score`` (the click probability). Files are
+    ``label`` (empty, or null in Parquet, for unlabeled data) and ``score`` (the click probability). Files are
     written under a ``.partial`` name and renamed when the pass completes.
 
     ``ctr-lightning predict`` adds one (to ``<default_root_dir>/predictions``) unless the
@@ -111,7 +111,8 @@ class ScoreWriter(BasePredictionWriter):
         else:
             import pyarrow as pa
 
-            self._file.write_table(pa.table({"row": rows, "label": labels.astype(np.float32),
+            self._file.write_table(pa.table({"row": rows,
+                                             "label": pa.array(labels.astype(np.float32), mask=np.isnan(labels)),
                                              "score": scores.astype(np.float32)}))
         self.rows_written += len(rows)
 

@@ -89,3 +89,26 @@ def test_training_bar_has_the_epochs_total(tmp_path):
 def test_score_writer_rejects_an_unknown_format(tmp_path):
     with pytest.raises(ValueError, match="file_format"):
         ScoreWriter(str(tmp_path), file_format="csv")
+
+
+def test_unlabeled_parquet_is_scored_with_null_labels_and_refused_for_training(tmp_path):
+    import pyarrow as pa
+
+    from ctr_lightning.datamodules import BadLineError, ParquetDataModule
+    from ctr_lightning.models import WideDeepModule
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "new_traffic.parquet"
+    pq.write_table(pa.table({"price": rng.random(300), "ad": rng.integers(0, 50, 300)}), path)
+    schema = dict(label_column="click", dense_columns=["price"], categorical_columns=["ad"], batch_size=64)
+    model = WideDeepModule(sparse_feature_names=["ad"], num_dense_features=1, embedding_dim=4, num_embeddings=100,
+                           deep_layer_sizes=[4])
+    writer = ScoreWriter(str(tmp_path / "scores"), file_format="parquet")
+    trainer(writer).predict(model, datamodule=ParquetDataModule(predict_paths=[str(path)], **schema),
+                            return_predictions=False)
+    table = pq.read_table(tmp_path / "scores" / "scores-rank00000.parquet")
+    assert table.column("row").to_pylist() == list(range(300))
+    assert table.column("label").null_count == 300
+    with pytest.raises(BadLineError, match=f"{path}: missing label column 'click'.*only predict_paths may be unlabeled"):
+        Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                max_steps=2).fit(model, datamodule=ParquetDataModule(train_paths=[str(path)], **schema))

@@ -88,5 +88,5 @@ def test_datamodule_and_bad_rows(tmp_path):
     wrong = ParquetDataModule(train_paths=[str(tmp_path / "logs.parquet")], label_column="clicked",
                               categorical_columns=["ad"])
     wrong.setup("fit")
-    with pytest.raises(BadLineError, match=r"missing columns \['clicked'\]"):
+    with pytest.raises(BadLineError, match=r"missing label column 'clicked'; it has .*only predict_paths may be unlabeled"):
         list(wrong.train_dataloader())
