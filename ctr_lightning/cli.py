@@ -73,7 +73,9 @@ class CTRLightningCLI(LightningCLI):
             self.config["predict"]["return_predictions"] = False  # the ScoreWriter has them; memory stays flat
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
-        given = list(callbacks) + [c for c in (config.get("callbacks") or []) if isinstance(c, Callback)]
+        configured = config.get("callbacks") or []
+        configured = configured if isinstance(configured, list) else [configured]  # one callback may come bare
+        given = list(callbacks) + [c for c in configured if isinstance(c, Callback)]
         extra: list[Callback] = []
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             extra.append(StreamProgressBar())

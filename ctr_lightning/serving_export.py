@@ -81,8 +81,9 @@ def _table_chunks(extra: dict[str, Any], chunk_rows: int) -> tuple[dict[str, dic
             for start in range(0, len(table["ids"]), chunk_rows):
                 yield name, table["ids"][start : start + chunk_rows].numpy(), table["rows"][start : start + chunk_rows]
 
-    # In-file tables carry no config; the dim comes from the model's hyperparameters.
-    return {name: {} for name in state}, from_state()
+    # In-file tables carry their widths (older checkpoints do not: then the model's embedding_dim).
+    dims = extra.get("dims") or {}
+    return {name: ({"dim": dims[name]} if name in dims else {}) for name in state}, from_state()
 
 
 class _TableWriter:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.batch import Batch
 from ctr_lightning.datamodules.stream_dataset import LogStreamDataset
@@ -26,6 +27,10 @@ class BatchDataLoader(DataLoader):
     epoch never waits for a rank that has finished. The batches the other ranks hold back
     then are counted and logged, never dropped silently.
 
+    With ``pad_ranks`` (predict, where every example must be scored), the pass instead
+    lasts until the last rank runs out, and a rank that ran out first yields empty batches
+    meanwhile, so the collectives of a sharded model still meet.
+
     With ``require_examples`` (training), a pass that yields no batch at all is an
     :class:`EmptyEpochError` naming the files and why. ``epoch_of`` tells the dataset the
     epoch when a pass starts (its shards may rotate with it).
@@ -38,10 +43,12 @@ class BatchDataLoader(DataLoader):
     """
 
     def __init__(self, dataset: LogStreamDataset, process_group: Any = None, require_examples: bool = False,
-                 epoch_of: Callable[[], int] | None = None, **kwargs: Any) -> None:
+                 epoch_of: Callable[[], int] | None = None, pad_ranks: bool = False, **kwargs: Any) -> None:
         kwargs["batch_size"] = None  # the dataset yields whole batches, built in the workers
         super().__init__(dataset, **kwargs)
         self.process_group = process_group
+        self.pad_ranks = pad_ranks
+        self.padded = 0  # empty batches of the last pass, yielded while other ranks still read
         self.require_examples = require_examples
         self.epoch_of = epoch_of
         self.shard_log: list[int] = []  # the shard of every batch handed out, in order
@@ -66,10 +73,19 @@ class BatchDataLoader(DataLoader):
         self.bad_line_counts = Counter()
         if self.epoch_of is not None:
             self.dataset.epoch = self.epoch_of()  # before the workers start, with a copy of the dataset
+        self.padded = 0
         batches = self._batches()
         while True:
             item = next(batches, None)
-            if self.process_group is not None and not _all_ranks_have(item is not None, self.process_group):
+            if self.process_group is not None and self.pad_ranks:
+                if not _ranks_agree(item is not None, self.process_group, torch.distributed.ReduceOp.MAX):
+                    break
+                if item is None:
+                    self.padded += 1
+                    yield self._empty_batch()
+                    continue
+            elif self.process_group is not None and not _ranks_agree(item is not None, self.process_group,
+                                                                     torch.distributed.ReduceOp.MIN):
                 if item is not None:
                     self._hold_back(item, batches)
                 break
@@ -80,6 +96,13 @@ class BatchDataLoader(DataLoader):
         if self.require_examples and not self.shard_log:
             raise EmptyEpochError(f"epoch {self.dataset.epoch} of rank {self.dataset.rank} yielded no training "
                                   f"example: {self.dataset.describe_empty(self.bad_line_counts)}")
+
+    def _empty_batch(self) -> Batch:
+        fmt = self.dataset.format
+        return Batch(dense=torch.zeros(0, fmt.num_dense_features),
+                     sparse=KeyedJaggedTensor(keys=list(fmt.sparse_feature_names), values=torch.zeros(0, dtype=torch.int64),
+                                              lengths=torch.zeros(0, dtype=torch.int32)),
+                     labels=torch.zeros(0), records=torch.zeros(0, dtype=torch.int64))
 
     def _hold_back(self, item: tuple[int, Batch], rest: Iterator[tuple[int, Batch]]) -> None:
         count, examples = 1, len(item[1])
@@ -93,7 +116,7 @@ class BatchDataLoader(DataLoader):
     def expected_batches(self) -> int:
         """Batches a pass yields, from the files' record counts (a progress bar's total;
         fewer when lines are bad). Not ``__len__``: Lightning would stop the epoch there."""
-        return self.dataset.expected_batches()
+        return self.dataset.expected_batches(largest_share=self.pad_ranks)
 
     def position(self, batches: int) -> dict[int, int]:
         """Batches per shard among the first ``batches`` handed out this pass."""
@@ -107,7 +130,8 @@ class EmptyEpochError(ValueError):
     """A training pass over the data yielded nothing: the run would train on nothing."""
 
 
-def _all_ranks_have(have: bool, process_group: Any) -> bool:
+def _ranks_agree(have: bool, process_group: Any, op: Any) -> bool:
+    """MIN: whether every rank has a batch; MAX: whether any has."""
     flag = torch.tensor([1 if have else 0], dtype=torch.int32)
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=process_group)
+    torch.distributed.all_reduce(flag, op=op, group=process_group)
     return bool(flag.item())

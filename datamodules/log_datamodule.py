@@ -183,7 +183,8 @@ class LogDataModule(pl.LightningDataModule):
         # Every split takes equal steps on all ranks: a sharded embedding collection runs
         # collectives in evaluation too, so a rank that stopped early would hang the rest.
         loader = BatchDataLoader(dataset, process_group=self._sync_process_group, num_workers=self.num_workers,
-                                 require_examples=split == "train", epoch_of=self._current_epoch)
+                                 require_examples=split == "train", epoch_of=self._current_epoch,
+                                 pad_ranks=split == "predict")  # predict scores every example
         if split == "train":
             self._train_loader = loader
         return loader

@@ -87,6 +87,9 @@ class LogStreamDataset(IterableDataset):
         self.drop_last = drop_last
         self.epoch, self.seed, self.rotate = epoch, seed, rotate
         self.numbered = numbered
+        if numbered and len({f.path for f in self.files}) < len(self.files):
+            twice = sorted({f.path for f in self.files if sum(g.path == f.path for g in self.files) > 1})
+            raise ValueError(f"predict_paths name {twice} more than once: their rows could not be told apart")
         starts = np.cumsum([0] + [f.records for f in self.files])
         self._file_starts = {f.path: int(start) for f, start in zip(self.files, starts)}
         # Workers ship about message_rows rows at a time: the per-message cost of
@@ -97,11 +100,13 @@ class LogStreamDataset(IterableDataset):
         self.skip_batches = dict(skip_batches or {})
         self.skip_epoch = epoch
 
-    def expected_batches(self) -> int:
+    def expected_batches(self, largest_share: bool = False) -> int:
         """Batches every rank yields in a pass, from the files' record counts (fewer if lines
-        are bad): the rank with the smallest share decides, as the ranks stay in step."""
-        smallest_share = sum(f.records for f in self.files) // self.world_size
-        return -(-smallest_share // self.batch_size) if not self.drop_last else smallest_share // self.batch_size
+        are bad): the rank with the smallest share decides, as the ranks stay in step; with
+        ``largest_share``, the largest (ranks padded until the last is done, as in predict)."""
+        total = sum(f.records for f in self.files)
+        share = -(-total // self.world_size) if largest_share else total // self.world_size
+        return -(-share // self.batch_size) if not self.drop_last else share // self.batch_size
 
     def plan(self, worker: int, num_workers: int) -> list[FileSlice]:
         """What worker ``worker`` of ``num_workers`` of this rank reads this epoch."""

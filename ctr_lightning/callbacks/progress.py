@@ -23,15 +23,18 @@ class StreamProgressBar(TQDMProgressBar):
 
     @property
     def total_train_batches(self) -> int | float:
-        total = super().total_train_batches
-        if not math.isinf(total):
-            return total
-        expected = _expected(self.trainer.train_dataloader)
-        if expected is None:
-            return total
-        if self.trainer.max_steps is not None and self.trainer.max_steps > 0:
-            expected = min(expected, self.trainer.max_steps - self.trainer.global_step)
-        return expected
+        trainer = self.trainer
+        total: int | float = trainer.num_training_batches
+        if math.isinf(total):
+            expected = _expected(trainer.train_dataloader)
+            total = total if expected is None else expected
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            # The bar counts batches from the epoch's start (a resumed epoch from where it
+            # stood); max_steps counts optimizer steps, each of accumulate_grad_batches batches.
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+            left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+            total = min(total, done + left)
+        return total
 
     @property
     def total_val_batches_current_dataloader(self) -> int | float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,13 @@ class ScoreWriter(BasePredictionWriter):
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.output_dir / f"scores-rank{trainer.global_rank:05d}.{self.file_format}"
+        if trainer.global_rank == 0:
+            # An earlier pass with more ranks or the other format must not leave files that a
+            # reader of scores-rank* would mix in: this pass writes ranks < world_size only.
+            for old in self.output_dir.glob("scores-rank*"):
+                match = re.fullmatch(r"scores-rank(\d+)\.(tsv|parquet)(\.partial)?", old.name)
+                if match and (match.group(2) != self.file_format or int(match.group(1)) >= trainer.world_size):
+                    old.unlink(missing_ok=True)
         self.rows_written, self._next_row = 0, 0
         self._pending, self._pending_rows = [], 0
         self._file = None
@@ -116,8 +124,16 @@ class ScoreWriter(BasePredictionWriter):
                                              "score": scores.astype(np.float32)}))
         self.rows_written += len(rows)
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._close()  # Lightning skips callbacks' teardown when a run fails
+
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self._file is not None:  # an interrupted pass: its file stays .partial
+        self._close()
+
+    def _close(self) -> None:
+        """An interrupted pass: its file stays ``.partial``; what was not written is dropped."""
+        self._pending, self._pending_rows = [], 0
+        if self._file is not None:
             self._file.close()
             self._file = None
 

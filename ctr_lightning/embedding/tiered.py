@@ -399,8 +399,9 @@ class TieredEmbeddingBagCollection(nn.Module):
                                                   "manifest_sha256": manifest.sha256()})
             return dict(self._snapshot[1])
         # Per table, whatever the sharding: a checkpoint loads into any number of ranks.
-        # When sharded this is collective (Lightning builds checkpoints on every rank).
-        return {"tables": self._built().export()}
+        # When sharded this is collective (Lightning builds checkpoints on every rank). The
+        # widths go along for readers of the file alone (export: rows hold optimizer state too).
+        return {"tables": self._built().export(), "dims": {t.name: t.embedding_dim for t in self._tables}}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         if "snapshot" in state:

@@ -47,6 +47,7 @@ class GroupAUC(Metric):
 
 def group_auc(scores: torch.Tensor, labels: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """GAUC of flat ``scores``, boolean ``labels`` and integer ``groups``; see :class:`GroupAUC`."""
+    scores, labels, groups = scores.cpu(), labels.cpu(), groups.cpu()  # sorting and counting on the host
     order = torch.argsort(scores, stable=True)
     order = order[torch.argsort(groups[order], stable=True)]  # by group, then by score
     s, y, g = scores[order], labels[order].double(), groups[order]

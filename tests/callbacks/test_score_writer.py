@@ -84,6 +84,32 @@ def test_training_bar_has_the_epochs_total(tmp_path):
     Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_model_summary=False,
             callbacks=[capped], max_steps=3, limit_val_batches=0).fit(model, datamodule=dm)
     assert capped.train_progress_bar.total == 3
+    accumulating = StreamProgressBar()  # 3 optimizer steps of 2 batches each: 6 batches
+    Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_model_summary=False,
+            callbacks=[accumulating], max_steps=3, accumulate_grad_batches=2, limit_val_batches=0).fit(
+        model, datamodule=dm)
+    assert accumulating.train_progress_bar.total == 6 == accumulating.train_progress_bar.n
+
+
+def test_a_new_pass_removes_files_an_earlier_one_left_that_it_would_not_write(tmp_path):
+    data = write_synthetic_criteo(tmp_path / "a.tsv", rows=100, seed=3, max_cardinality=1000)
+    out = tmp_path / "scores"
+    out.mkdir()
+    for stale in ("scores-rank00003.tsv", "scores-rank00000.parquet", "scores-rank00001.tsv.partial"):
+        (out / stale).write_text("old")
+    (out / "notes.txt").write_text("mine")
+    model = DeepFMModule(embedding_dim=4, num_embeddings=1000, deep_layer_sizes=[8])
+    trainer(ScoreWriter(str(out))).predict(model, datamodule=CriteoDataModule(predict_paths=[str(data)]),
+                                           return_predictions=False)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "scores-rank00000.tsv"]
+
+
+def test_predict_refuses_a_file_named_twice(tmp_path):
+    data = write_synthetic_criteo(tmp_path / "a.tsv", rows=100, seed=3, max_cardinality=1000)
+    dm = CriteoDataModule(predict_paths=[str(data), str(data)])
+    dm.setup("predict")
+    with pytest.raises(ValueError, match="more than once"):
+        dm.predict_dataloader()
 
 
 def test_score_writer_rejects_an_unknown_format(tmp_path):

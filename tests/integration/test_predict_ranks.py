@@ -1,5 +1,6 @@
 """Predict and GAUC over two gloo ranks on 127.0.0.1: every record scored once, in one file
-per rank; a group whose examples sit on both ranks counts as one group."""
+per rank, when the ranks' shares differ by a batch; a group whose examples sit on both
+ranks counts as one group."""
 
 import pytest
 
@@ -42,13 +43,14 @@ def test_two_ranks_score_every_record_once_and_sync_gauc(tmp_path, run_ranks):
     from ctr_lightning.datamodules import write_synthetic_criteo
     from ctr_lightning.metrics import group_auc
 
-    data = write_synthetic_criteo(tmp_path / "day.tsv", rows=1000, seed=3, max_cardinality=1000)
+    # 1,025 records: 513 for rank 0 (5 batches of 128), 512 for rank 1 (4): rank 1 pads one empty batch.
+    data = write_synthetic_criteo(tmp_path / "day.tsv", rows=1025, seed=3, max_cardinality=1000)
     results = run_ranks(RANK_SCRIPT, [str(data), str(tmp_path / "scores")], world=2)
     files = sorted((tmp_path / "scores").glob("*.parquet"))
     assert [f.name for f in files] == ["scores-rank00000.parquet", "scores-rank00001.parquet"]
     rows = [pq.read_table(f).column("row").to_pylist() for f in files]
-    assert all(len(r) == 500 for r in rows)  # an equal share each
-    assert sorted(rows[0] + rows[1]) == list(range(1000))
+    assert [len(r) for r in rows] == [513, 512]
+    assert sorted(rows[0] + rows[1]) == list(range(1025))
     labels = [line.split("\t")[0] for line in data.read_text().splitlines()]
     for f in files:
         table = pq.read_table(f).to_pydict()

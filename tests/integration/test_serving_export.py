@@ -74,3 +74,22 @@ def test_an_export_scores_a_batch_as_the_trained_model_does(tmp_path, snapshots)
 
     with pytest.raises(FileExistsError, match="not empty"):
         main(["export", "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"), "--out", str(out)])
+
+
+@pytest.mark.parametrize("snapshots", [True, False], ids=["table-snapshot", "tables-in-ckpt"])
+def test_an_export_keeps_the_first_order_column_of_a_deepfm(tmp_path, snapshots):
+    from ctr_lightning.models import DeepFMModule
+
+    train = write_synthetic_criteo(tmp_path / "train.tsv", rows=5 * 64, seed=0)
+    model = DeepFMModule(embedding_dim=8, num_embeddings=5000, deep_layer_sizes=[8])
+    callbacks = [ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)] + ([TableSnapshots()] if snapshots else [])
+    pl.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_progress_bar=False, enable_model_summary=False,
+               callbacks=callbacks, default_root_dir=tmp_path).fit(
+        model, datamodule=CriteoDataModule(train_paths=[str(train)], batch_size=64))
+    out = tmp_path / "serving"
+    main(["export", "--ckpt_path", str(tmp_path / "ckpt" / "last.ckpt"), "--out", str(out)])
+    table = json.loads((out / "export.json").read_text())["tables"]["t_C1"]
+    assert table["dim"] == 9  # 8 + the feature's first-order weight
+    part = pq.read_table(out / table["files"][0]["path"]).to_pydict()
+    ids = torch.tensor(part["id"])
+    torch.testing.assert_close(torch.tensor(part["vector"]), model.embeddings.rows("t_C1", ids))
