@@ -45,7 +45,7 @@ def discover(sys_root: str | os.PathLike = "/sys", proc_root: str | os.PathLike 
         nics=_nics(sys_root),
         drives=_drives(sys_root, proc_root, statvfs=live),
         nvlink_groups=nvlink,
-        memory_limit_bytes=_cgroup_memory_limit(sys_root),
+        memory_limit_bytes=_cgroup_memory_limit(sys_root, proc_root),
         allowed_cpus=tuple(sorted(os.sched_getaffinity(0))) if live else None,
         notes=tuple(notes),
     )
@@ -115,6 +115,8 @@ def _nics(sys_root: Path) -> tuple[Nic, ...]:
     for d in sorted((sys_root / "class/net").glob("*")):
         chain = _pci_chain(sys_root, d)
         if not chain:  # lo, bridges, tunnels, ifb: not hardware
+            continue
+        if _read(d / "operstate") == "down":  # no link (cable out, port disabled): nothing to place ranks on
             continue
         speed = _read(d / "speed")
         nics.append(Nic(d.name, chain[-1], _numa_of_pci(sys_root, chain[-1]), chain,
@@ -191,12 +193,30 @@ def _file_system(mount: tuple[str, str, str], statvfs: bool) -> FileSystem | Non
     return FileSystem(mount_point, fstype, total, free, writable)
 
 
-def _cgroup_memory_limit(sys_root: Path) -> int | None:
-    for name in ("fs/cgroup/memory.max", "fs/cgroup/memory/memory.limit_in_bytes"):
-        value = _read(sys_root / name)
-        if value and value.isdigit() and int(value) < 1 << 60:
-            return int(value)
-    return None
+def _cgroup_memory_limit(sys_root: Path, proc_root: Path) -> int | None:
+    """The smallest memory limit on the way from this process's own cgroup
+    (``/proc/self/cgroup``) up to the hierarchy's root, cgroup v2 (``memory.max``) or v1
+    (``memory.limit_in_bytes``): a job is often limited below the root, not at it."""
+    places: list[tuple[Path, str, str]] = []  # (hierarchy root, limit file, the process's path in it)
+    for line in (_read(proc_root / "self/cgroup") or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[1] == "":
+            places.append((sys_root / "fs/cgroup", "memory.max", parts[2]))
+        elif "memory" in parts[1].split(","):
+            places.append((sys_root / "fs/cgroup/memory", "memory.limit_in_bytes", parts[2]))
+    if not places:  # no process view (a recorded tree without one): the roots' limits
+        places = [(sys_root / "fs/cgroup", "memory.max", "/"), (sys_root / "fs/cgroup/memory",
+                                                                 "memory.limit_in_bytes", "/")]
+    limits = []
+    for root, name, path in places:
+        steps = [p for p in path.strip("/").split("/") if p and p != ".."]
+        for depth in range(len(steps) + 1):
+            value = _read(root.joinpath(*steps[:depth]) / name)
+            if value and value.isdigit() and int(value) < 1 << 60:  # "max" or v1's huge number: no limit
+                limits.append(int(value))
+    return min(limits) if limits else None
 
 
 def _gpus(sys_root: Path, notes: list[str],

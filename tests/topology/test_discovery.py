@@ -44,9 +44,13 @@ def test_reads_a_recorded_two_socket_tree(tmp_path):
     os.symlink(disk, sys / "block/nvme0n1")
     os.symlink(sys / "devices/virtual/block/loop0", sys / "block/loop0")
     _write(nic / "net/ens5/speed", "25000\n")
+    _write(nic / "net/ens5/operstate", "up\n")
+    _write(nic / "net/ens6/speed", "100000\n")  # a faster port on the same card, with no link
+    _write(nic / "net/ens6/operstate", "down\n")
     _write(sys / "devices/virtual/net/lo/speed", "-1\n")
     (sys / "class/net").mkdir(parents=True)
     os.symlink(nic / "net/ens5", sys / "class/net/ens5")
+    os.symlink(nic / "net/ens6", sys / "class/net/ens6")
     os.symlink(sys / "devices/virtual/net/lo", sys / "class/net/lo")
     # A RAID-0 of the NVMe drive (md0), mounted at a path with a space; a FAT boot partition.
     _write(disk / "nvme0n1p2/partition", "2\n")
@@ -73,3 +77,23 @@ def test_reads_a_recorded_two_socket_tree(tmp_path):
     [nic_] = m.nics
     assert (nic_.name, nic_.numa_node, nic_.speed_mbps, nic_.pcie_path) == ("ens5", 1, 25000, ("0000:80:01.0", "0000:82:00.0"))
     assert m.gpus == ()
+
+
+def test_memory_limit_is_the_smallest_on_the_processs_own_cgroup_path(tmp_path):
+    sys, proc = tmp_path / "sys", tmp_path / "proc"
+    _write(sys / "devices/system/node/node0/cpulist", "0-1\n")
+    _write(sys / "devices/system/node/node0/meminfo", "Node 0 MemTotal:       8000000 kB\nNode 0 MemFree:  6000000 kB\n")
+    # cgroup v2: no limit at the root, 8 GiB on the jobs slice, 4 GiB on this job, 2 GiB on a sibling.
+    _write(sys / "fs/cgroup/memory.max", "max\n")
+    _write(sys / "fs/cgroup/jobs/memory.max", f"{8 << 30}\n")
+    _write(sys / "fs/cgroup/jobs/run1/memory.max", f"{4 << 30}\n")
+    _write(sys / "fs/cgroup/jobs/run2/memory.max", f"{2 << 30}\n")
+    _write(proc / "self/cgroup", "0::/jobs/run1\n")
+    assert discover(sys, proc, gpus=False).memory_limit_bytes == 4 << 30
+    # cgroup v1, the memory controller's own hierarchy; its unlimited value is a huge number.
+    _write(sys / "fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n")
+    _write(sys / "fs/cgroup/memory/process_api/42/memory.limit_in_bytes", f"{3 << 30}\n")
+    _write(proc / "self/cgroup", "7:cpu,cpuacct:/process_api/42\n5:memory:/process_api/42\n")
+    assert discover(sys, proc, gpus=False).memory_limit_bytes == 3 << 30
+    _write(proc / "self/cgroup", "5:memory:/\n")
+    assert discover(sys, proc, gpus=False).memory_limit_bytes is None
