@@ -9,7 +9,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from ctr_lightning.topology.gpu_links import parse_topo_matrix
+from ctr_lightning.topology.gpu_links import parse_topo_matrix, visible_islands
 from ctr_lightning.topology.machine import Drive, FileSystem, Gpu, Machine, Nic, NumaNode
 
 _PCI_ADDRESS = re.compile(r"^[0-9a-f]{4,5}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]$")  # 5 digits: VMD domains
@@ -255,7 +255,17 @@ def _gpus(sys_root: Path, notes: list[str],
     except (OSError, subprocess.SubprocessError) as err:
         notes.append(f"nvidia-smi topo -m failed ({err}): NVLink islands unknown")
         return tuple(gpus), None
-    return tuple(gpus), parse_topo_matrix(out).nvlink_groups
+    groups = parse_topo_matrix(out).nvlink_groups
+    try:  # nvidia-smi numbers every GPU; torch only the visible ones, maybe in another order
+        ids = subprocess.run([smi, "--query-gpu=pci.bus_id", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError) as err:
+        notes.append(f"nvidia-smi --query-gpu failed ({err}): NVLink islands unknown")
+        return tuple(gpus), None
+    islands = visible_islands(groups, ids, [g.pci_address for g in gpus])
+    if islands is None:
+        notes.append("GPUs' PCI bus ids unknown: NVLink islands cannot be matched to torch's devices")
+    return tuple(gpus), islands
 
 
 def _torch_pci_address(props: object) -> str | None:

@@ -76,6 +76,35 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
     return TopoMatrix(tuple(gpus), tuple(nics), links, numa)
 
 
+def visible_islands(groups: tuple[tuple[int, ...], ...], smi_bus_ids: list[str],
+                    torch_bus_ids: list[str | None]) -> tuple[tuple[int, ...], ...] | None:
+    """NVLink islands in torch's device numbering. ``nvidia-smi`` numbers every GPU of the
+    machine in PCI order; torch sees only ``CUDA_VISIBLE_DEVICES``, in its own order. The
+    PCI bus ids join the two; GPUs torch does not see drop out. None when a visible GPU's
+    bus id is unknown on either side (then the islands cannot be told).
+
+    Example::
+
+        visible_islands(((0, 1), (2, 3)), ["0:07:00.0", "0:0f:00.0", "0:47:00.0", "0:4e:00.0"],
+                        ["0:4e:00.0", "0:07:00.0"])     # ((0,), (1,)): torch's 0 is nvidia-smi's 3
+    """
+    smi = {_bus_id(b): i for i, b in enumerate(smi_bus_ids)}
+    torch_index = {}
+    for i, b in enumerate(torch_bus_ids):
+        if b is None or _bus_id(b) not in smi:
+            return None
+        torch_index[smi[_bus_id(b)]] = i
+    out = [tuple(sorted(torch_index[g] for g in group if g in torch_index)) for group in groups]
+    return tuple(sorted(g for g in out if g))
+
+
+def _bus_id(text: str) -> tuple[int, int, int, int]:
+    """``00000000:07:00.0`` (nvidia-smi) and ``0000:07:00.0`` (torch) alike."""
+    domain, bus, rest = text.strip().lower().split(":")
+    device, function = rest.split(".")
+    return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
+
+
 def _cells(line: str) -> list[str]:
     # Columns are tab-separated; a header's first cell is empty. Without tabs (copied
     # text), the two affinity headers are the only cells with a space inside.

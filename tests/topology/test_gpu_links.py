@@ -29,3 +29,15 @@ def test_pairs_joined_by_nvlink_bridges():
     assert parse_topo_matrix(text).nvlink_groups == ((0, 1), (2, 3))
     with pytest.raises(ValueError, match="no header line with GPU0"):
         parse_topo_matrix("No devices were found\n")
+
+
+def test_islands_follow_cuda_visible_devices_through_pci_bus_ids():
+    from ctr_lightning.topology.gpu_links import visible_islands
+
+    smi = ["00000000:07:00.0", "00000000:0F:00.0", "00000000:47:00.0", "00000000:4E:00.0"]
+    pairs = ((0, 1), (2, 3))
+    # CUDA_VISIBLE_DEVICES=3,0,1: torch's 0 is nvidia-smi's 3, torch's 1 and 2 its 0 and 1.
+    assert visible_islands(pairs, smi, ["0000:4e:00.0", "0000:07:00.0", "0000:0f:00.0"]) == ((0,), (1, 2))
+    assert visible_islands(pairs, smi, ["0000:07:00.0", "0000:0f:00.0", "0000:47:00.0", "0000:4e:00.0"]) == pairs
+    assert visible_islands(pairs, smi, ["0000:07:00.0", None]) is None
+    assert visible_islands(pairs, smi, ["0000:99:00.0"]) is None
