@@ -43,6 +43,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from ctr_lightning import Batch
 from ctr_lightning.datamodules.criteo_schema import NUM_DENSE, SPARSE_NAMES
 from ctr_lightning.models import DCNv2Module, DeepFMModule, DLRMModule, WideDeepModule
+from ctr_lightning.topology.calibration import zipf_ids
 
 ROWS, DIM, BATCH = 100_000, 16, 2048
 MLP = [512, 256]
@@ -62,9 +63,7 @@ def zipf_batches(steps: int, seed: int, s: float = 1.1) -> list[Batch]:
     f = len(SPARSE_NAMES)
     out = []
     for _ in range(steps):
-        u = rng.random(f * BATCH)
-        ranks = np.floor((((ROWS + 1) ** (1 - s) - 1) * u + 1) ** (1 / (1 - s))).astype(np.int64) - 1
-        ids = torch.from_numpy((ranks * 2654435761) % ROWS)
+        ids = torch.from_numpy(zipf_ids(rng, ROWS, f * BATCH, s))
         out.append(Batch(dense=torch.from_numpy(rng.standard_normal((BATCH, NUM_DENSE), dtype=np.float32)),
                          sparse=KeyedJaggedTensor(keys=list(SPARSE_NAMES), values=ids,
                                                   lengths=torch.ones(f * BATCH, dtype=torch.int32)),

@@ -240,9 +240,11 @@ class LogStreamDataset(IterableDataset):
     def _wrong_width_lines(self, fslice: FileSlice) -> np.ndarray:
         """Positions in the slice (0-based) of its lines of the wrong width: one more read of
         the slice, paid only when predicting over a file that has them."""
-        width, delimiter = self.format.num_fields, self.format.delimiter
-        return np.array([i for i, (_, line) in enumerate(iter_lines(fslice)) if line.count(delimiter) + 1 != width],
+        return np.array([i for i, (_, line) in enumerate(iter_lines(fslice)) if self._wrong_width(line)],
                         dtype=np.int64)
+
+    def _wrong_width(self, line: bytes) -> bool:
+        return line.count(self.format.delimiter) + 1 != self.format.num_fields
 
     def _width_reason(self, text: bytes) -> str:
         fields = text.count(self.format.delimiter) + 1 if text else 0
@@ -254,9 +256,7 @@ class LogStreamDataset(IterableDataset):
         For formats without lines (Parquet), the row number in the file."""
         if not self.format.line_based:
             return fslice.first + nth + 1, None
-        width = self.format.num_fields
-        delimiter = self.format.delimiter
-        lines = ((n, line) for n, line in iter_lines(fslice) if (line.count(delimiter) + 1 != width) == wrong_width)
+        lines = ((n, line) for n, line in iter_lines(fslice) if self._wrong_width(line) == wrong_width)
         return next(itertools.islice(lines, nth, None), (None, None))
 
     def describe_empty(self, bad_line_counts: Mapping[str, int]) -> str:
