@@ -17,7 +17,8 @@ all-to-alls between two ranks on 127.0.0.1); then each candidate is planned
   E  2 ranks, table-wise, all in DRAM
   F  2 ranks, the large tables row-wise and the four small ones data-parallel (a replica
      on each rank), all in DRAM
-  G  2 ranks, each table sharded as the planner picks (``sharding: auto``), all in DRAM
+  G  2 ranks, each table sharded as the planner picks (``sharding: auto``) with the link
+     rates the two ranks have just measured, all in DRAM
 
 Each run fills every row first (no first-touch in the timed steps), warms up, then times
 ``--steps`` steps (the median; the slowest rank's for 2 ranks). Calibration and runs are
@@ -103,7 +104,14 @@ def _two_ranks(rank: int, port: int, shape: ModelShape, rows: list[int], steps: 
     links = measure_links(rates, shape)
     if rank == 0:
         result["links"] = dataclasses.asdict(links)
+    result["sharding"] = {}
+    for name, (machine, access, options) in plans["auto"].items():
+        # Planned as `fit` would on this pair of ranks: with the links just measured (rank 0's reading).
+        chosen = [plan(machine, shape, access, options, rates=links).sharding() if rank == 0 else None]
+        dist.broadcast_object_list(chosen, src=0)
+        plans["runs"][name] = (chosen[0], None)
     for name, (sharding, storage) in plans["runs"].items():
+        result["sharding"][name] = sharding
         dist.barrier()
         result[name] = run_placement(shape, rows, storage, sharding, steps, None, seed=10 + rank)
     with open(f"{out}.{rank}", "w") as f:
@@ -208,10 +216,12 @@ def one_round(args: argparse.Namespace, work: str, machine: object, shape: Model
 
     port = 29500 + (os.getpid() + int(time.time())) % 1000
     out = os.path.join(work, "two")
-    links_probe = {"rows": args.rows, "runs": {}}
+    links_probe = {"rows": args.rows, "runs": {}, "auto": {}}
     for name, options in two.items():
-        plans[name] = plan(machine, shape, access, options, rates=rates2)  # for its sharding
-        links_probe["runs"][name] = (plans[name].sharding(), None)
+        if options.sharding == "auto":
+            links_probe["auto"][name] = (machine, access, options)  # planned by the ranks, after the links
+        else:
+            links_probe["runs"][name] = (plan(machine, shape, access, options, rates=rates2).sharding(), None)
     mp.spawn(_two_ranks, args=(port, shape, rows, args.steps, links_probe, out), nprocs=2, join=True)
     ranks = [json.load(open(f"{out}.{r}")) for r in range(2)]
     from ctr_lightning.topology import HardwareRates
@@ -225,19 +235,17 @@ def one_round(args: argparse.Namespace, work: str, machine: object, shape: Model
           f"{rates_links.example_op_s * 1e9:.0f} ns an example's feature routed, "
           f"{rates_links.bag_op_s * 1e9:.0f} ns a bag pooled for the other rank", flush=True)
     for name, options in two.items():
-        # Priced as run: G's sharding was picked before the links were measured.
-        ran = dataclasses.replace(options, sharding=links_probe["runs"][name][0])
+        ran = dataclasses.replace(options, sharding=ranks[0]["sharding"][name])
         plans[name] = plan(machine, shape, access, ran, rates=rates_links)
         results[name] = {"seconds": max(r[name]["seconds"] for r in ranks), "ssd_rows": 0.0}
         print(f"  ran {name}: {results[name]['seconds'] * 1e3:.1f} ms/step"
-              + (f" ({sorted(set(plans[name].sharding().values()))})" if name.startswith("G") else ""), flush=True)
-    auto_two = plan(machine, shape, access, PlanOptions(ranks_per_node=2, device_bytes=2 * total), rates=rates_links)
+              + (f" ({plans[name].sharding()})" if name.startswith("G") else ""), flush=True)
     return {"predicted": {n: p.step_estimate.seconds for n, p in plans.items()},
             "measured": {n: results[n]["seconds"] for n in plans},
             "ssd_predicted": {n: p.step_estimate.ssd_rows for n, p in plans.items()},
             "ssd_measured": {n: results[n]["ssd_rows"] for n in plans},
             "examples_per_step": {n: p.examples_per_step for n, p in plans.items()},
-            "auto_two": set(auto_two.sharding().values())}
+            "auto_two": set(ranks[0]["sharding"]["G 2 ranks, sharding auto"].values())}
 
 
 if __name__ == "__main__":

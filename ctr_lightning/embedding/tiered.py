@@ -157,6 +157,10 @@ class TieredEmbeddingBagCollection(nn.Module):
         # gone (the run directory moved): asked when a checkpoint is loaded, since only then
         # is it known which checkpoint that is. TableSnapshots sets it.
         self.snapshot_search: Callable[[], list[Path]] = list
+        # Under storage auto, rows a checkpoint restores before the collection is built wait
+        # here: Lightning restores the module before the strategy moves it to its device and
+        # before fit starts, and planning then would size the tiers for the wrong device.
+        self._pending_load: Callable[[], None] | None = None
 
     def follow_merge_schedule(self, k: int, warmup_steps: int = 0) -> None:
         """Merge the replicas of ``sparse_sync="k_step"`` with a k-step strategy's ``k`` and
@@ -187,6 +191,9 @@ class TieredEmbeddingBagCollection(nn.Module):
         else:
             self._place(None)
             self._engine = LocalTables(self._tables, self._setup)
+        if self._pending_load is not None:
+            load, self._pending_load = self._pending_load, None
+            load()
         return self._engine
 
     @property
@@ -411,13 +418,30 @@ class TieredEmbeddingBagCollection(nn.Module):
             path = self._find_snapshot(state["snapshot"])
             if SnapshotManifest.read(path).sha256() != state["manifest_sha256"]:
                 raise ValueError(f"table snapshot {path}: its manifest is not the one the checkpoint refers to")
-            self.load_tables(path)
-            self._snapshot = (self._version, {"snapshot": str(path.resolve()),
-                                              "manifest_sha256": state["manifest_sha256"]})
+            reference = {"snapshot": str(path.resolve()), "manifest_sha256": state["manifest_sha256"]}
+
+            def restore() -> None:
+                self.load_tables(path)
+                self._snapshot = (self._version, reference)
+
+            if self._defer_load():
+                self._pending_load = restore
+                self._snapshot = (self._version, reference)  # the module's second name returns above
+                return
+            restore()
             return
         if "tables" not in state:
             raise KeyError("checkpoint holds no 'tables' state for the TieredEmbeddingBagCollection")
         self._version += 1
         self._snapshot = None
         self._base = None  # rows from the state dict: the next snapshot holds them all
+        if self._defer_load():
+            tables = state["tables"]
+            self._pending_load = lambda: self._engine.load(tables)
+            return
         self._built().load(state["tables"])
+
+    def _defer_load(self) -> bool:
+        """Whether restored rows wait for the first use: under storage auto, until the tiers
+        are planned (:meth:`plan_placement` at the start of fit, on the module's device)."""
+        return self._auto_storage is not None and self._engine is None

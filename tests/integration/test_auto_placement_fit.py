@@ -106,3 +106,47 @@ def test_ranks_agree_on_sharding_and_fail_together(tmp_path, run_ranks):
     ranks = run_ranks(AGREE_SCRIPT, [str(tmp_path)], world=2)
     assert [r["sharding"] for r in ranks] == [{"t0": "table_wise", "t1": "table_wise", "t2": "table_wise"}] * 2
     assert all(r["error"] and r["error"].startswith("storage auto, rank 1 of the group: NUMA node") for r in ranks)
+
+
+@pytest.mark.parametrize("snapshots", [False, True], ids=["rows_in_checkpoint", "table_snapshots"])
+def test_resumed_fit_plans_with_its_data_then_restores_the_rows(tmp_path, snapshots):
+    import os
+
+    import lightning.pytorch as pl
+    import torch
+
+    from ctr_lightning.callbacks import TableSnapshots
+    from ctr_lightning.datamodules import SyntheticStreamDataModule
+    from ctr_lightning.embedding import AutoStorage
+    from ctr_lightning.models import DLRMModule
+
+    def run(max_steps, ckpt_path=None):
+        pl.seed_everything(0)
+        dm = SyntheticStreamDataModule(num_sparse=2, batch_size=128, train_batches=8, val_batches=0, head_size=500,
+                                       num_workers=0)
+        model = DLRMModule(sparse_feature_names=dm.sparse_feature_names, embedding_dim=8, num_embeddings=2000,
+                           dense_arch_layer_sizes=[8], over_arch_layer_sizes=[8, 1],
+                           storage=AutoStorage(ssd_dirs=(str(tmp_path / "ssd"),), reserve_bytes=0))
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False,
+                             default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False,
+                             num_sanity_val_steps=0, limit_val_batches=0,
+                             callbacks=[TableSnapshots()] if snapshots else None)
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
+        return model, trainer
+
+    before = os.sched_getaffinity(0)  # fit pins this process to the plan's CPUs
+    try:
+        trained, trainer = run(3)
+        [ckpt] = (tmp_path / "checkpoints").glob("*.ckpt")
+        resumed, again = run(3, str(ckpt))  # nothing left to train: the rows are the checkpoint's
+    finally:
+        os.sched_setaffinity(0, before)
+    assert again.global_step == 3
+    # Planned in on_fit_start with the data's batch, after the load was read
+    assert resumed.embeddings.placement.plan.examples_per_step == 128
+    ids = torch.arange(500)
+    for table in (f"t_{name}" for name in resumed.sparse_feature_names):
+        assert torch.equal(resumed.embeddings.rows(table, ids), trained.embeddings.rows(table, ids))
+    if snapshots:  # the resumed rows are the snapshot's: a checkpoint now refers to it, writes nothing new
+        assert resumed.embeddings.get_extra_state()["snapshot"] == str(resumed.embeddings.current_snapshot())
+        assert resumed.embeddings.snapshots_written == []

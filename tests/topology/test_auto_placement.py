@@ -35,3 +35,21 @@ def test_auto_storage_refuses_tables_that_fit_nowhere(tmp_path):
         TieredEmbeddingBagCollection(_tables(10), storage="automatic")
     with pytest.raises(ValueError, match=r"AutoStorage.dram_fraction must be in \(0, 1\]"):
         AutoStorage(dram_fraction=1.5)
+
+
+def test_restored_rows_wait_for_the_plan_made_at_the_start_of_fit(tmp_path):
+    # Lightning restores a checkpoint before the strategy moves the module to its device and
+    # before fit starts: the tiers must be planned then, with fit's batch size, not at load.
+    trained = TieredEmbeddingBagCollection(_tables(5000), storage=AutoStorage(ssd_dirs=(str(tmp_path / "a"),),
+                                                                              reserve_bytes=0))
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.arange(64) * 7, torch.ones(64, dtype=torch.int32))
+    trained(kjt).values().sum().backward()
+    restored = TieredEmbeddingBagCollection(_tables(5000), storage=AutoStorage(ssd_dirs=(str(tmp_path / "b"),),
+                                                                               reserve_bytes=0))
+    restored.load_state_dict(trained.state_dict())
+    assert restored.placement is None
+    placement = restored.plan_placement(batch_size=64)
+    assert placement.plan.examples_per_step == 64
+    ids = torch.arange(0, 448, 7)
+    assert torch.equal(restored.rows("t0", ids), trained.rows("t0", ids))
+    assert not torch.equal(trained.rows("t0", ids), TieredEmbeddingBagCollection(_tables(5000)).rows("t0", ids))
