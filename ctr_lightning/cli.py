@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import re
 import sys
@@ -149,28 +150,48 @@ def _init_arguments(cls: type) -> list[str]:
     return [n for n in dict.fromkeys(names) if n not in ("self", "log_format", "kwargs")]
 
 
-def _replace_whole_storage(args: list[str]) -> list[str]:
-    """``--model.storage '{...}'`` replaces the config's storage, as a user means it.
+_NULLS = ("null", "none", "~")
+_STORAGE_KEY = re.compile(r"--model\.storage\.(\w+)(=.*)?", re.DOTALL)
+
+
+def _storage_args(args: list[str]) -> list[str]:
+    """``--model.storage`` arguments as a user means them, where jsonargparse would not.
 
     The model is a subclass spec, and jsonargparse merges a mapping given for one of its
     class-typed arguments into the value the config already holds: AutoStorage's keys
-    would land on the config's StorageConfig and fail. A ``null`` first makes it a
-    replacement; a ``class_path`` mapping, a dotted key (``--model.storage.ssd_dir``) or
-    ``auto`` keep jsonargparse's own meaning.
+    would land on the config's StorageConfig and fail. A ``null`` first makes
+    ``--model.storage '{...}'`` a replacement; a ``class_path`` mapping or ``auto`` keep
+    jsonargparse's own meaning. A dotted key set to null (``--model.storage.ssd_dir=null``)
+    reaches jsonargparse as the string ``"None"`` (an SSD directory of that name) or fails
+    an int's check, so it goes as a StorageConfig mapping with that key null, which
+    jsonargparse merges as meant. Other dotted keys go as given.
     """
+    from ctr_lightning.embedding import StorageConfig
+
     out: list[str] = []
     i = 0
     while i < len(args):
         arg = args[i]
-        value = None
+        value, step = None, 1
         if arg == "--model.storage" and i + 1 < len(args):
             value, step = args[i + 1], 2
         elif arg.startswith("--model.storage="):
-            value, step = arg.split("=", 1)[1], 1
+            value = arg.split("=", 1)[1]
         if value is not None and value.lstrip().startswith("{") and "class_path" not in value:
             out += ["--model.storage", "null", "--model.storage", value]
             i += step
             continue
+        dotted = _STORAGE_KEY.fullmatch(arg)
+        if dotted and dotted.group(1) in StorageConfig.__dataclass_fields__:
+            if dotted.group(2) is not None:
+                value = dotted.group(2)[1:]
+            elif i + 1 < len(args):
+                value, step = args[i + 1], 2
+            if value is not None and value.strip().lower() in _NULLS:
+                out += ["--model.storage", json.dumps({"class_path": "ctr_lightning.embedding.StorageConfig",
+                                                       "init_args": {dotted.group(1): None}})]
+                i += step
+                continue
         out.append(arg)
         i += 1
     return out
@@ -210,9 +231,9 @@ def main(args: list[str] | None = None) -> None:
     logging.root.addHandler(handler)
     logging.root.setLevel(logging.WARNING)
     if args is None:
-        sys.argv[1:] = _replace_whole_storage(argv)  # LightningCLI warns when given args beside sys.argv
+        sys.argv[1:] = _storage_args(argv)  # LightningCLI warns when given args beside sys.argv
     else:
-        args = _replace_whole_storage(list(args))
+        args = _storage_args(list(args))
     CTRLightningCLI(
         CTRModule,
         LightningDataModule,

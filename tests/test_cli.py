@@ -100,3 +100,17 @@ def test_a_whole_storage_on_the_command_line_replaces_the_configs(tmp_path, in_p
 
     storage = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["storage"]
     assert storage["ssd_dirs"] == [str(tmp_path)] and storage["reserve_bytes"] == 0 and "device_bytes" not in storage
+
+
+def test_a_storage_key_set_to_null_on_the_command_line_is_none(in_process, capsys):
+    """jsonargparse alone reads ``--model.storage.ssd_dir=null`` as the directory "None" and
+    refuses null for an int key, inside the model's subclass spec."""
+    with pytest.raises(SystemExit):
+        in_process(["fit", "--config", "configs/out_of_core.yaml", "--model.storage.device_bytes=null",
+                    "--model.storage.host_rows", "null", "--model.storage.ssd_dir=null",
+                    "--model.storage.eviction=lfu", "--print_config"])
+    import yaml
+
+    storage = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["storage"]
+    assert storage["device_bytes"] is None and storage["host_rows"] is None and storage["ssd_dir"] is None
+    assert storage["eviction"] == "lfu" and storage["ssd_segment_bytes"] == 256 << 20
