@@ -159,8 +159,8 @@ except ImportError:  # pragma: no cover
     pass
 
 
-def run_fit(work: Path, name: str, extra: list[str]) -> float:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "benchmarks"), PYTHONWARNINGS="ignore")
+def run_fit(work: Path, name: str, extra: list[str], env: dict[str, str] | None = None) -> float:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "benchmarks"), PYTHONWARNINGS="ignore", **(env or {}))
     command = [sys.executable, "-m", "ctr_lightning.cli", "fit", "--config", str(ROOT / "configs/out_of_core.yaml"),
                "--trainer.logger.init_args.save_dir", str(work / "runs"), "--trainer.logger.init_args.name", name,
                "--trainer.enable_progress_bar", "false", *extra]
@@ -225,6 +225,45 @@ def report_checkpoints(saves: Path, resume: Path, budget: int) -> None:
           f"{resumed['seconds']:.1f} s, peak resident {resumed['rss_peak'] / 2**30:.2f} GiB")
 
 
+def rate(seconds: np.ndarray) -> float:
+    """Steps/s over a stretch of steps: their number over their wall time (slow steps count,
+    as they do in a run)."""
+    return len(seconds) / seconds.sum()
+
+
+def _stretches(steps: list[dict], seconds: np.ndarray, snapshots: list[dict],
+               warm: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Step times of the first 10% (after ``warm`` steps), the last 10%, and the first 10%
+    from the step the memory tier is full and rows start leaving for the SSD (that step)."""
+    tenth = max(1, (len(steps) - warm) // 10)
+    full = next((s["step"] for s in snapshots if s["storage"]["ssd_rows"] > 0), steps[warm]["step"])
+    start = next(i for i, s in enumerate(steps) if s["step"] >= full)
+    return (seconds[warm : warm + tenth], seconds[-tenth:],
+            seconds[start : start + max(1, (len(steps) - start) // 10)], full)
+
+
+def compare_spinning(passive: Path, spinning: Path, minutes: tuple[float, float]) -> None:
+    """The same out-of-core run with OpenMP threads passive (the package default) and
+    spinning (libgomp's default, GOMP_SPINCOUNT=300000), side by side."""
+    print("\nOpenMP threads passive (default) vs spinning (GOMP_SPINCOUNT=300000), the same run twice:")
+    got = {}
+    for name, log, took in (("passive", passive, minutes[0]), ("spinning", spinning, minutes[1])):
+        steps = load(log)
+        seconds = np.array([s["wall"] for s in steps])
+        warm = min(20, len(steps) // 10)
+        snapshots = [s for s in steps if "storage" in s]
+        first, last, settled, _ = _stretches(steps, seconds, snapshots, warm)
+        timed = [s for s in snapshots if "process" in s and s["step"] >= steps[-len(last)]["step"]]
+        cpu = (timed[-1]["process"]["cpu_s"] - timed[0]["process"]["cpu_s"]) * 100 / (
+            timed[-1]["step"] - timed[0]["step"])
+        got[name] = rate(last)
+        print(f"  {name:<8} {took:5.1f} min, {len(steps)} steps; last 10% {rate(last):.2f} steps/s, "
+              f"{cpu:.1f} CPU s per 100 steps; last / first 10% {rate(last) / rate(first):.2f}x, "
+              f"from DRAM full {rate(last) / rate(settled):.2f}x")
+    print(f"  last 10%, passive / spinning: {got['passive'] / got['spinning']:.2f}x steps/s; whole run "
+          f"{minutes[1] / minutes[0]:.2f}x")
+
+
 def report(out_log: Path, mem_log: Path | None, new_rows: tuple[float, float] | None, budget: int,
            exclude: set[int] = frozenset()) -> None:
     # ``exclude``: steps whose time holds a checkpoint the benchmark itself took.
@@ -233,7 +272,6 @@ def report(out_log: Path, mem_log: Path | None, new_rows: tuple[float, float] | 
     seconds = np.array([s["wall"] for s in steps])
     warm = min(20, len(steps) // 10)
     tenth = max(1, (len(steps) - warm) // 10)
-    first, last = seconds[warm : warm + tenth], seconds[-tenth:]
     snapshots = [s for s in steps if "storage" in s]
     final = snapshots[-1]["storage"]
     rss = np.array([s["rss"] for s in steps])
@@ -248,16 +286,13 @@ def report(out_log: Path, mem_log: Path | None, new_rows: tuple[float, float] | 
     per_row = max(s["ssd_index_bytes"] / s["ssd_rows"] for s in grown)
     rows.append(("memory: SSD index bytes per SSD row (max once 100k rows are there; target <= 16)",
                  f"{per_row:.1f} (at the end {final['ssd_index_bytes'] / max(final['ssd_rows'], 1):.1f})"))
-    ratio = np.median(first) / np.median(last)
+    first, last, settled, full = _stretches(steps, seconds, snapshots, warm)
     rows.append(("speed: steps/s last 10% / first 10% (target >= 0.7)",
-                 f"{ratio:.2f}x ({1 / np.median(last):.2f} vs {1 / np.median(first):.2f} steps/s, medians)"))
-    # The same from when the memory tier is full and rows start leaving for the SSD.
-    full = next((s["step"] for s in snapshots if s["storage"]["ssd_rows"] > 0), steps[warm]["step"])
-    start = next(i for i, s in enumerate(steps) if s["step"] >= full)
-    settled = seconds[start : start + max(1, (len(steps) - start) // 10)]
+                 f"{rate(last) / rate(first):.2f}x ({rate(last):.2f} vs {rate(first):.2f} steps/s; "
+                 f"medians {np.median(first) / np.median(last):.2f}x)"))
     rows.append((f"speed: steps/s last 10% / first 10% once DRAM is full (step {full} on)",
-                 f"{np.median(settled) / np.median(last):.2f}x ({1 / np.median(last):.2f} vs "
-                 f"{1 / np.median(settled):.2f} steps/s)"))
+                 f"{rate(last) / rate(settled):.2f}x ({rate(last):.2f} vs {rate(settled):.2f} steps/s; "
+                 f"medians {np.median(settled) / np.median(last):.2f}x)"))
     # Where the time of the first and the last 10% went, per 100 steps.
     timed = [s for s in snapshots if "process" in s]
     for name, part in (("first 10%", steps[warm : warm + tenth]), ("last 10%", steps[-tenth:])):
@@ -278,10 +313,10 @@ def report(out_log: Path, mem_log: Path | None, new_rows: tuple[float, float] | 
     if mem_log is not None:
         memory = np.array([s["wall"] for s in load(mem_log)])[warm:]
         rows.append(("speed: first 10% / all rows in memory (target >= 0.7)",
-                     f"{np.median(memory) / np.median(first):.2f}x ({1 / np.median(first):.2f} vs "
-                     f"{1 / np.median(memory):.2f} steps/s)"))
+                     f"{rate(first) / rate(memory):.2f}x ({rate(first):.2f} vs {rate(memory):.2f} steps/s; "
+                     f"medians {np.median(memory) / np.median(first):.2f}x)"))
         rows.append((f"speed: first 10% once DRAM is full (step {full} on) / all rows in memory",
-                     f"{np.median(memory) / np.median(settled):.2f}x"))
+                     f"{rate(settled) / rate(memory):.2f}x (medians {np.median(memory) / np.median(settled):.2f}x)"))
     disk = max(s["ssd_bytes"] / s["ssd_live_bytes"] for s in grown)
     rows.append(("disk: SSD files / live rows (max over the run; target <= 1.5)", f"{disk:.2f}x"))
     worst = int(np.argmax(seconds[warm:])) + warm
@@ -316,6 +351,8 @@ def main() -> None:
     parser.add_argument("--new-rows-rows", type=int, default=2_000_000)
     parser.add_argument("--keep", action="store_true", help="keep the SSD files and logs")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: memory,new_rows,checkpoint")
+    parser.add_argument("--compare-spinning", action="store_true",
+                        help="run the out-of-core fit again with OpenMP threads spinning (libgomp's default)")
     parser.add_argument("--fit-args", default="", help="more overrides for every fit, e.g. a smaller stream for "
                                                        "a scaled run: '--data.init_args.head_size=250000'")
     args = parser.parse_args()
@@ -338,6 +375,15 @@ def main() -> None:
             f"--trainer.callbacks={json.dumps(callbacks)}", *more])
         print(f"out-of-core run: {seconds / 60:.1f} min")
         shutil.rmtree(work / "ssd", ignore_errors=True)
+        spinning = None
+        if args.compare_spinning:
+            spin_log = work / "spinning.jsonl"
+            spun = run_fit(work, "spinning", [
+                f"--model.storage.device_bytes={args.device_bytes}", f"--model.storage.ssd_dir={work / 'ssd'}",
+                f"--trainer.callbacks={json.dumps(_callbacks(args.target, spin_log))}", *more],
+                env={"GOMP_SPINCOUNT": "300000"})
+            shutil.rmtree(work / "ssd", ignore_errors=True)
+            spinning = (spin_log, spun)
         if "checkpoint" not in skip:
             resume = work / "resume.json"
             steps_done = json.loads((work / "saves.json").read_text())["incremental"]["step"]
@@ -364,6 +410,8 @@ def main() -> None:
         saves = work / "saves.json"
         exclude = {r["step"] + 1 for r in json.loads(saves.read_text()).values()} if saves.exists() else set()
         report(out_log, mem_log, new_rows, budget=26 * args.device_bytes, exclude=exclude)
+        if spinning is not None:
+            compare_spinning(out_log, spinning[0], (seconds / 60, spinning[1] / 60))
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

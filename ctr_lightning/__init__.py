@@ -7,7 +7,18 @@ Example::
     from ctr_lightning.models import DLRMModule
 """
 
-from ctr_lightning.batch import Batch
+import os
+
+# Idle OpenMP threads (torch's and numba's) sleep instead of spinning: the SSD tier's
+# read and write threads need the cores they would spin on. On 2 cores, with tables past
+# 1.5x RAM, the last 10% of the run took 0.50 CPU s a step instead of 0.62 and ran 1.11x
+# faster (benchmarks/bench_out_of_core.py --compare-spinning, docs/benchmarks.md).
+# Read when OpenMP starts, so only when ctr_lightning is imported before torch (as the
+# ctr-lightning command does); GOMP_SPINCOUNT=300000 restores libgomp's default spinning.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+from ctr_lightning.batch import Batch  # noqa: E402
 
 # The modules of every config class a checkpoint may hold (see checkpoint_safe): importing
 # ctr_lightning is then enough for torch.load(..., weights_only=True) to rebuild them.
