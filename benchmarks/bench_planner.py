@@ -106,7 +106,8 @@ def _two_ranks(rank: int, port: int, shape: ModelShape, rows: list[int], steps: 
         result["links"] = dataclasses.asdict(links)
     result["sharding"] = {}
     for name, (machine, access, options) in plans["auto"].items():
-        # Planned as `fit` would on this pair of ranks: with the links just measured (rank 0's reading).
+        # Planned on this pair of ranks with the links just measured (rank 0's reading), so that its
+        # estimate is priced with the rates it was chosen by.
         chosen = [plan(machine, shape, access, options, rates=links).sharding() if rank == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
         plans["runs"][name] = (chosen[0], None)
