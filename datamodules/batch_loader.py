@@ -27,9 +27,9 @@ class BatchDataLoader(DataLoader):
     epoch never waits for a rank that has finished. The batches the other ranks hold back
     then are counted and logged, never dropped silently.
 
-    With ``pad_ranks`` (predict, where every example must be scored), the pass instead
-    lasts until the last rank runs out, and a rank that ran out first yields empty batches
-    meanwhile, so the collectives of a sharded model still meet.
+    With ``pad_ranks`` (validation, test and predict, where every example must be seen),
+    the pass instead lasts until the last rank runs out, and a rank that ran out first
+    yields empty batches meanwhile, so the collectives of a sharded model still meet.
 
     With ``require_examples`` (training), a pass that yields no batch at all is an
     :class:`EmptyEpochError` naming the files and why. ``epoch_of`` tells the dataset the
@@ -99,10 +99,12 @@ class BatchDataLoader(DataLoader):
 
     def _empty_batch(self) -> Batch:
         fmt = self.dataset.format
+        # With a group column every batch has groups, empty ones too: ranks then log the same metrics.
+        groups = torch.zeros(0, dtype=torch.int64) if getattr(fmt, "group_column", None) is not None else None
         return Batch(dense=torch.zeros(0, fmt.num_dense_features),
                      sparse=KeyedJaggedTensor(keys=list(fmt.sparse_feature_names), values=torch.zeros(0, dtype=torch.int64),
                                               lengths=torch.zeros(0, dtype=torch.int32)),
-                     labels=torch.zeros(0), records=torch.zeros(0, dtype=torch.int64))
+                     labels=torch.zeros(0), records=torch.zeros(0, dtype=torch.int64), groups=groups)
 
     def _hold_back(self, item: tuple[int, Batch], rest: Iterator[tuple[int, Batch]]) -> None:
         count, examples = 1, len(item[1])

@@ -184,7 +184,7 @@ class LogDataModule(pl.LightningDataModule):
         # collectives in evaluation too, so a rank that stopped early would hang the rest.
         loader = BatchDataLoader(dataset, process_group=self._sync_process_group, num_workers=self.num_workers,
                                  require_examples=split == "train", epoch_of=self._current_epoch,
-                                 pad_ranks=split == "predict")  # predict scores every example
+                                 pad_ranks=split != "train")  # evaluation and predict see every example
         if split == "train":
             self._train_loader = loader
         return loader

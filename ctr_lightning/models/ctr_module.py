@@ -205,8 +205,6 @@ class CTRModule(pl.LightningModule):
     def _evaluate(self, batch: Batch, stage: str, metrics: nn.ModuleDict) -> None:
         logits = self(batch)
         labels = batch.labels
-        self.log(f"{stage}/loss", F.binary_cross_entropy_with_logits(logits, labels),
-                 batch_size=len(batch), sync_dist=True)
         # AUC gets probabilities: torchmetrics would guess per batch whether values are logits.
         metrics["auc"].update(torch.sigmoid(logits), labels.long())
         metrics["logloss"].update(logits, labels)
@@ -217,6 +215,11 @@ class CTRModule(pl.LightningModule):
         for name, metric in metrics.items():
             if name != "gauc" or metric.update_called:
                 self.log(f"{stage}/{name}", metric, prog_bar=name == "auc")
+        # The loss is the log loss, from its metric's synced sums: a mean logged with
+        # sync_dist would divide an int64 example count by the world size in place
+        # (Lightning-AI/pytorch-lightning#21859), and an empty batch (a rank padding its pass
+        # until the others finish) would log NaN.
+        self.log(f"{stage}/loss", metrics["logloss"])
 
     def predict_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         """Click probabilities ``[B]`` (a :class:`~ctr_lightning.callbacks.ScoreWriter`

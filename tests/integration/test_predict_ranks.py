@@ -1,6 +1,6 @@
-"""Predict and GAUC over two gloo ranks on 127.0.0.1: every record scored once, in one file
-per rank, when the ranks' shares differ by a batch; a group whose examples sit on both
-ranks counts as one group."""
+"""Predict, validation and GAUC over two gloo ranks on 127.0.0.1: every record scored once,
+in one file per rank, and validated once, when the ranks' shares differ by a batch; a
+group whose examples sit on both ranks counts as one group."""
 
 import pytest
 
@@ -20,6 +20,8 @@ trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", logger=False,
                      enable_progress_bar=False, enable_model_summary=False,
                      callbacks=[ScoreWriter(out, file_format="parquet")])
 trainer.predict(model, datamodule=CriteoDataModule(predict_paths=[data], batch_size=128), return_predictions=False)
+# Validation over the same records: the rank with fewer pads too, so every record counts.
+[val] = trainer.validate(model, datamodule=CriteoDataModule(val_paths=[data], batch_size=128), verbose=False)
 
 # GAUC synced over the ranks: rank r holds half of every group's examples.
 metric = GroupAUC()
@@ -28,7 +30,8 @@ scores, labels = torch.rand(400, generator=g), torch.rand(400, generator=g) < 0.
 groups = torch.arange(400) % 7
 mine = torch.arange(400) % 2 == trainer.global_rank
 metric.update(scores[mine], labels[mine].float(), groups[mine])
-print("RESULT " + json.dumps({"rank": trainer.global_rank, "gauc": float(metric.compute())}), flush=True)
+print("RESULT " + json.dumps({"rank": trainer.global_rank, "gauc": float(metric.compute()),
+                              "val_logloss": val["val/logloss"], "val_loss": val["val/loss"]}), flush=True)
 import torch.distributed as _dist
 if _dist.is_initialized():
     _dist.destroy_process_group()
@@ -36,7 +39,7 @@ if _dist.is_initialized():
 
 
 @pytest.mark.slow
-def test_two_ranks_score_every_record_once_and_sync_gauc(tmp_path, run_ranks):
+def test_two_ranks_score_and_validate_every_record_once_and_sync_gauc(tmp_path, run_ranks):
     import pyarrow.parquet as pq
     import torch
 
@@ -56,6 +59,14 @@ def test_two_ranks_score_every_record_once_and_sync_gauc(tmp_path, run_ranks):
         table = pq.read_table(f).to_pydict()
         assert [float(labels[r]) for r in table["row"]] == table["label"]
         assert all(0.0 < s < 1.0 for s in table["score"])
+
+    # Validation's log loss is the scored records' own: all 1,025 of them, none held back.
+    both = [pq.read_table(f).to_pydict() for f in files]
+    p = torch.tensor(both[0]["score"] + both[1]["score"], dtype=torch.float64)
+    y = torch.tensor(both[0]["label"] + both[1]["label"], dtype=torch.float64)
+    logloss = float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
+    assert [r["val_logloss"] for r in results] == pytest.approx([logloss, logloss], rel=1e-5)
+    assert [r["val_loss"] for r in results] == pytest.approx([logloss, logloss], rel=1e-5)
 
     g = torch.Generator().manual_seed(1)
     scores, flags = torch.rand(400, generator=g), torch.rand(400, generator=g) < 0.4
