@@ -159,8 +159,10 @@ except ImportError:  # pragma: no cover
     pass
 
 
-def run_fit(work: Path, name: str, extra: list[str], env: dict[str, str] | None = None) -> float:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "benchmarks"), PYTHONWARNINGS="ignore", **(env or {}))
+def run_fit(work: Path, name: str, extra: list[str], env: dict[str, str | None] | None = None) -> float:
+    """Time ``ctr-lightning fit`` of the out-of-core config; ``env`` sets (None: removes) variables."""
+    env = {k: v for k, v in dict(os.environ, PYTHONPATH=str(ROOT / "benchmarks"), PYTHONWARNINGS="ignore",
+                                 **(env or {})).items() if v is not None}
     command = [sys.executable, "-m", "ctr_lightning.cli", "fit", "--config", str(ROOT / "configs/out_of_core.yaml"),
                "--trainer.logger.init_args.save_dir", str(work / "runs"), "--trainer.logger.init_args.name", name,
                "--trainer.enable_progress_bar", "false", *extra]
@@ -254,8 +256,8 @@ def compare_spinning(passive: Path, spinning: Path, minutes: tuple[float, float]
         snapshots = [s for s in steps if "storage" in s]
         first, last, settled, _ = _stretches(steps, seconds, snapshots, warm)
         timed = [s for s in snapshots if "process" in s and s["step"] >= steps[-len(last)]["step"]]
-        cpu = (timed[-1]["process"]["cpu_s"] - timed[0]["process"]["cpu_s"]) * 100 / (
-            timed[-1]["step"] - timed[0]["step"])
+        cpu = ((timed[-1]["process"]["cpu_s"] - timed[0]["process"]["cpu_s"]) * 100
+               / (timed[-1]["step"] - timed[0]["step"])) if len(timed) >= 2 else float("nan")
         got[name] = rate(last)
         print(f"  {name:<8} {took:5.1f} min, {len(steps)} steps; last 10% {rate(last):.2f} steps/s, "
               f"{cpu:.1f} CPU s per 100 steps; last / first 10% {rate(last) / rate(first):.2f}x, "
@@ -306,8 +308,8 @@ def report(out_log: Path, mem_log: Path | None, new_rows: tuple[float, float] | 
                for k in ("ssd_wait_us", "evict_us", "ssd_stall_us", "ssd_write_us", "ssd_clean_us")}
         proc = {k: (b["process"][k] - a["process"][k]) * 100 / n for k in ("cpu_s", "system_s")}
         disk = (b["process"]["disk_read_bytes"] - a["process"]["disk_read_bytes"]) / n / 2**20
-        rows.append((f"  {name}, s per 100 steps: wall; CPU (of it system); SSD wait, evict, write stall; "
-                     "writer's writes, cleaning; disk MiB read a step",
+        rows.append((f"  {name}, s per 100 steps: wall; CPU (of it system); waiting on the SSD writer, evicting, "
+                     "SSD reads in the step; the writer's writes, cleaning; disk MiB read a step",
                      f"{wall * 100 / n:.1f}; {proc['cpu_s']:.1f} ({proc['system_s']:.1f}); "
                      + ", ".join(f"{v:.1f}" for v in per.values()) + f"; {disk:.1f}"))
     if mem_log is not None:
@@ -356,6 +358,8 @@ def main() -> None:
     parser.add_argument("--fit-args", default="", help="more overrides for every fit, e.g. a smaller stream for "
                                                        "a scaled run: '--data.init_args.head_size=250000'")
     args = parser.parse_args()
+    if args.compare_spinning and "checkpoint" not in args.skip.split(","):
+        parser.error("--compare-spinning needs --skip checkpoint: the second run takes no checkpoints")
     work = Path(args.dir)
     more = shlex.split(args.fit_args)
     if work.exists():
@@ -381,7 +385,7 @@ def main() -> None:
             spun = run_fit(work, "spinning", [
                 f"--model.storage.device_bytes={args.device_bytes}", f"--model.storage.ssd_dir={work / 'ssd'}",
                 f"--trainer.callbacks={json.dumps(_callbacks(args.target, spin_log))}", *more],
-                env={"GOMP_SPINCOUNT": "300000"})
+                env={"GOMP_SPINCOUNT": "300000", "OMP_WAIT_POLICY": None})  # this process set PASSIVE
             shutil.rmtree(work / "ssd", ignore_errors=True)
             spinning = (spin_log, spun)
         if "checkpoint" not in skip:

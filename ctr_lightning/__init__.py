@@ -13,8 +13,10 @@ import os
 # read and write threads need the cores they would spin on. On 2 cores, with tables past
 # 1.5x RAM, the last 10% of the run took 0.50 CPU s a step instead of 0.62 and ran 1.11x
 # faster (benchmarks/bench_out_of_core.py --compare-spinning, docs/benchmarks.md).
-# Read when OpenMP starts, so only when ctr_lightning is imported before torch (as the
-# ctr-lightning command does); GOMP_SPINCOUNT=300000 restores libgomp's default spinning.
+# Each OpenMP runtime reads it when it loads: torch's when torch is imported (so it holds
+# for torch only when ctr_lightning comes first, as in the ctr-lightning command), numba's
+# at its first parallel kernel. Child processes inherit it. GOMP_SPINCOUNT=300000 restores
+# libgomp's default spinning.
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 

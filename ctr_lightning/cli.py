@@ -151,7 +151,8 @@ def _init_arguments(cls: type) -> list[str]:
 
 
 _NULLS = ("null", "none", "~")
-_STORAGE_KEY = re.compile(r"--model\.storage\.(\w+)(=.*)?", re.DOTALL)
+_STORAGE = re.compile(r"--model\.(?:init_args\.)?storage(?:\.init_args)?")
+_STORAGE_KEY = re.compile(_STORAGE.pattern + r"\.(\w+)(=.*)?", re.DOTALL)
 
 
 def _storage_args(args: list[str]) -> list[str]:
@@ -164,7 +165,9 @@ def _storage_args(args: list[str]) -> list[str]:
     jsonargparse's own meaning. A dotted key set to null (``--model.storage.ssd_dir=null``)
     reaches jsonargparse as the string ``"None"`` (an SSD directory of that name) or fails
     an int's check, so it goes as a StorageConfig mapping with that key null, which
-    jsonargparse merges as meant. Other dotted keys go as given.
+    jsonargparse merges as meant (a storage that is ``auto`` or an AutoStorage then
+    becomes a StorageConfig: these keys are StorageConfig's). Other dotted keys go as
+    given. ``--model.init_args.storage...``, jsonargparse's full spelling, counts the same.
     """
     from ctr_lightning.embedding import StorageConfig
 
@@ -173,9 +176,9 @@ def _storage_args(args: list[str]) -> list[str]:
     while i < len(args):
         arg = args[i]
         value, step = None, 1
-        if arg == "--model.storage" and i + 1 < len(args):
+        if _STORAGE.fullmatch(arg) and i + 1 < len(args):
             value, step = args[i + 1], 2
-        elif arg.startswith("--model.storage="):
+        elif _STORAGE.fullmatch(arg.split("=", 1)[0]) and "=" in arg:
             value = arg.split("=", 1)[1]
         if value is not None and value.lstrip().startswith("{") and "class_path" not in value:
             out += ["--model.storage", "null", "--model.storage", value]

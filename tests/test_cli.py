@@ -107,7 +107,7 @@ def test_a_storage_key_set_to_null_on_the_command_line_is_none(in_process, capsy
     refuses null for an int key, inside the model's subclass spec."""
     with pytest.raises(SystemExit):
         in_process(["fit", "--config", "configs/out_of_core.yaml", "--model.storage.device_bytes=null",
-                    "--model.storage.host_rows", "null", "--model.storage.ssd_dir=null",
+                    "--model.storage.host_rows", "null", "--model.init_args.storage.ssd_dir=~",
                     "--model.storage.eviction=lfu", "--print_config"])
     import yaml
 

@@ -78,6 +78,17 @@ class StorageMonitor(Callback):
         self._collections = tiered_collections(pl_module, "StorageMonitor")
         if self.stop_at is None or stage != "fit":
             return
+        if not any(c.auto_storage is not None for c in self._collections):
+            self._check_disk()
+        # Under storage auto the SSD directories are known once the tiers are planned, at the
+        # start of fit on the module's device (asking now would plan them here): on_train_start.
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.stop_at is not None and any(c.auto_storage is not None for c in self._collections):
+            self._check_disk()
+
+    def _check_disk(self) -> None:
         directories = sorted({d for c in self._collections for d in c.ssd_directories})
         if not directories:
             raise ValueError(f"StorageMonitor(stop_at_ssd_bytes={self.stop_at}): the tables have no SSD tier "

@@ -160,7 +160,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         # Under storage auto, rows a checkpoint restores before the collection is built wait
         # here: Lightning restores the module before the strategy moves it to its device and
         # before fit starts, and planning then would size the tiers for the wrong device.
-        self._pending_load: Callable[[], None] | None = None
+        # ("tables", per-table state) or ("snapshot", path, reference): data, so a copy of the module carries it.
+        self._pending_load: tuple | None = None
 
     def follow_merge_schedule(self, k: int, warmup_steps: int = 0) -> None:
         """Merge the replicas of ``sparse_sync="k_step"`` with a k-step strategy's ``k`` and
@@ -173,6 +174,7 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def _built(self) -> TableEngine:
         if self._engine is not None:
+            self._restore_pending()  # one that failed before: raise again rather than train on initial rows
             return self._engine
         process_group = self._process_group
         if (process_group is None and dist.is_available() and dist.is_initialized()
@@ -191,10 +193,26 @@ class TieredEmbeddingBagCollection(nn.Module):
         else:
             self._place(None)
             self._engine = LocalTables(self._tables, self._setup)
-        if self._pending_load is not None:
-            load, self._pending_load = self._pending_load, None
-            load()
+        self._restore_pending()
         return self._engine
+
+    def _restore_pending(self) -> None:
+        """Load the rows a checkpoint restored before the collection was built. If that
+        fails, the load stays pending, so the next use raises again instead of training on
+        initial rows."""
+        pending, self._pending_load = self._pending_load, None
+        if pending is None:
+            return
+        try:
+            if pending[0] == "snapshot":
+                _, path, reference = pending
+                self.load_tables(path)
+                self._snapshot = (self._version, reference)
+            else:
+                self._engine.load(pending[1])
+        except BaseException:
+            self._pending_load = pending
+            raise
 
     @property
     def auto_storage(self) -> AutoStorage | None:
@@ -260,9 +278,10 @@ class TieredEmbeddingBagCollection(nn.Module):
             # Else the CPU kernels fail deep inside on a tensor they cannot read.
             raise ValueError(f"{type(self).__name__}: tables {[t.name for t in self._tables]} are in cpu memory but "
                              f"the KJT is on {device}; move the module first (.to({str(device)!r}), as Lightning does)")
+        engine = self._built()  # first: a restore waiting there counts a version of its own, before this step's
         train = self.training and torch.is_grad_enabled()
         self._version += train
-        pooled = self._built().forward(features, train)
+        pooled = engine.forward(features, train)
         if train:
             reached("train_step")
         return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=pooled)
@@ -356,6 +375,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         first; an incremental one with its ancestors), streaming; the snapshot may come from
         any number of ranks and sharding, and the storage budgets may differ from the
         saving run's. Each rank keeps the rows it owns; not collective."""
+        if self._engine is None:
+            self._pending_load = None  # these rows replace any a checkpoint left waiting
         engine = self._built()
         # Whatever happens below, the rows are no longer those of an earlier snapshot.
         self._version += 1
@@ -419,16 +440,12 @@ class TieredEmbeddingBagCollection(nn.Module):
             if SnapshotManifest.read(path).sha256() != state["manifest_sha256"]:
                 raise ValueError(f"table snapshot {path}: its manifest is not the one the checkpoint refers to")
             reference = {"snapshot": str(path.resolve()), "manifest_sha256": state["manifest_sha256"]}
-
-            def restore() -> None:
-                self.load_tables(path)
-                self._snapshot = (self._version, reference)
-
             if self._defer_load():
-                self._pending_load = restore
+                self._pending_load = ("snapshot", path, reference)
                 self._snapshot = (self._version, reference)  # the module's second name returns above
                 return
-            restore()
+            self.load_tables(path)
+            self._snapshot = (self._version, reference)
             return
         if "tables" not in state:
             raise KeyError("checkpoint holds no 'tables' state for the TieredEmbeddingBagCollection")
@@ -436,8 +453,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._snapshot = None
         self._base = None  # rows from the state dict: the next snapshot holds them all
         if self._defer_load():
-            tables = state["tables"]
-            self._pending_load = lambda: self._engine.load(tables)
+            self._pending_load = ("tables", state["tables"])
             return
         self._built().load(state["tables"])
 

@@ -150,3 +150,31 @@ def test_resumed_fit_plans_with_its_data_then_restores_the_rows(tmp_path, snapsh
     if snapshots:  # the resumed rows are the snapshot's: a checkpoint now refers to it, writes nothing new
         assert resumed.embeddings.get_extra_state()["snapshot"] == str(resumed.embeddings.current_snapshot())
         assert resumed.embeddings.snapshots_written == []
+
+
+def test_storage_monitor_checks_the_disk_of_the_planned_ssd_directory_after_planning(tmp_path):
+    import os
+
+    import lightning.pytorch as pl
+
+    from ctr_lightning.callbacks import StorageMonitor
+    from ctr_lightning.datamodules import SyntheticStreamDataModule
+    from ctr_lightning.embedding import AutoStorage
+    from ctr_lightning.models import DLRMModule
+
+    dm = SyntheticStreamDataModule(num_sparse=2, batch_size=128, train_batches=4, val_batches=0, head_size=500,
+                                   num_workers=0)
+    model = DLRMModule(sparse_feature_names=dm.sparse_feature_names, embedding_dim=8, num_embeddings=2000,
+                       dense_arch_layer_sizes=[8], over_arch_layer_sizes=[8, 1],
+                       storage=AutoStorage(ssd_dirs=(str(tmp_path / "ssd"),), reserve_bytes=0))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[StorageMonitor(stop_at_ssd_bytes="1000TB")])
+    before = os.sched_getaffinity(0)
+    try:
+        with pytest.raises(ValueError, match=rf"SSD directory {tmp_path / 'ssd'} has .* GiB free"):
+            trainer.fit(model, datamodule=dm)
+    finally:
+        os.sched_setaffinity(0, before)
+    assert model.embeddings.placement.plan.examples_per_step == 128  # planned at fit start, with the data
+    assert trainer.global_step == 0

@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,3 +54,50 @@ def test_restored_rows_wait_for_the_plan_made_at_the_start_of_fit(tmp_path):
     ids = torch.arange(0, 448, 7)
     assert torch.equal(restored.rows("t0", ids), trained.rows("t0", ids))
     assert not torch.equal(trained.rows("t0", ids), TieredEmbeddingBagCollection(_tables(5000)).rows("t0", ids))
+
+
+def _trained(tmp_path, name):
+    ebc = TieredEmbeddingBagCollection(_tables(5000), storage=AutoStorage(ssd_dirs=(str(tmp_path / name),),
+                                                                          reserve_bytes=0))
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.arange(64) * 7, torch.ones(64, dtype=torch.int32))
+    ebc(kjt).values().sum().backward()
+    return ebc, kjt
+
+
+def test_a_training_step_after_a_waiting_restore_is_in_the_next_snapshot(tmp_path):
+    trained, kjt = _trained(tmp_path, "a")
+    trained.checkpoint_to_snapshots(tmp_path / "snapshots")
+    state = trained.state_dict()
+    restored = TieredEmbeddingBagCollection(_tables(5000), storage=AutoStorage(ssd_dirs=(str(tmp_path / "b"),),
+                                                                               reserve_bytes=0))
+    restored.checkpoint_to_snapshots(tmp_path / "snapshots")
+    restored.load_state_dict(state)
+    restored(kjt).values().sum().backward()  # the first use builds, restores, then trains
+    saved = restored.get_extra_state()
+    assert saved["snapshot"] != state["_extra_state"]["snapshot"] and len(restored.snapshots_written) == 1
+    ids = torch.arange(0, 448, 7)
+    assert not torch.equal(restored.rows("t0", ids), trained.rows("t0", ids))  # trained once more
+
+
+def test_a_waiting_restore_that_fails_fails_every_use_and_survives_a_copy(tmp_path):
+    import copy
+
+    trained, kjt = _trained(tmp_path, "a")
+    ids = torch.arange(0, 448, 7)
+    fresh = lambda: TieredEmbeddingBagCollection(  # noqa: E731
+        _tables(5000), storage=AutoStorage(ssd_dirs=(str(tmp_path / "b"),), reserve_bytes=0))
+    # Rows in the checkpoint: a deep copy taken while they wait restores them itself.
+    waiting = fresh()
+    waiting.load_state_dict(trained.state_dict())
+    assert torch.equal(copy.deepcopy(waiting).rows("t0", ids), trained.rows("t0", ids))
+    # A snapshot whose row files are gone after the checkpoint was read: each use raises.
+    trained.checkpoint_to_snapshots(tmp_path / "snapshots")
+    state = trained.state_dict()
+    broken = fresh()
+    broken.load_state_dict(state)
+    for f in Path(state["_extra_state"]["snapshot"]).rglob("*"):
+        if f.is_file() and f.name != "manifest.json":
+            f.unlink()
+    for _ in range(2):
+        with pytest.raises(Exception):
+            broken.rows("t0", ids)
