@@ -244,20 +244,41 @@ def _stretches(steps: list[dict], seconds: np.ndarray, snapshots: list[dict],
             seconds[start : start + max(1, (len(steps) - start) // 10)], full)
 
 
+def _run_log(log: Path, exclude: set[int] = frozenset()) -> tuple[list[dict], np.ndarray, int, list[dict]]:
+    """A run's steps (less ``exclude``), their wall times, the warm-up steps left out of
+    the first 10%, and the steps that carry tier snapshots."""
+    steps = [s for s in load(log) if s["step"] not in exclude]
+    # A step's wall time: from the end of the step before (loading, reads ahead, callbacks).
+    seconds = np.array([s["wall"] for s in steps])
+    return steps, seconds, min(20, len(steps) // 10), [s for s in steps if "storage" in s]
+
+
+def _per_100_steps(steps: list[dict], snapshots: list[dict], part: list[dict]) -> dict[str, float] | None:
+    """Per 100 steps of ``part``, between the first and last snapshots inside it: wall and
+    CPU seconds, the tiers' time counters in seconds, and MiB a step read from the disk;
+    None with fewer than two snapshots inside."""
+    inside = [s for s in snapshots if "process" in s and part[0]["step"] <= s["step"] <= part[-1]["step"]]
+    if len(inside) < 2:
+        return None
+    a, b = inside[0], inside[-1]
+    n = b["step"] - a["step"]
+    out = {"wall": sum(s["wall"] for s in steps if a["step"] < s["step"] <= b["step"]) * 100 / n}
+    out.update({k: (b["process"][k] - a["process"][k]) * 100 / n for k in ("cpu_s", "system_s")})
+    out.update({k: (b["counters"].get(k, 0) - a["counters"].get(k, 0)) / 1e6 * 100 / n
+                for k in ("ssd_wait_us", "evict_us", "ssd_stall_us", "ssd_write_us", "ssd_clean_us")})
+    out["disk_mib"] = (b["process"]["disk_read_bytes"] - a["process"]["disk_read_bytes"]) / n / 2**20
+    return out
+
+
 def compare_spinning(passive: Path, spinning: Path, minutes: tuple[float, float]) -> None:
     """The same out-of-core run with OpenMP threads passive (the package default) and
     spinning (libgomp's default, GOMP_SPINCOUNT=300000), side by side."""
     print("\nOpenMP threads passive (default) vs spinning (GOMP_SPINCOUNT=300000), the same run twice:")
     got = {}
     for name, log, took in (("passive", passive, minutes[0]), ("spinning", spinning, minutes[1])):
-        steps = load(log)
-        seconds = np.array([s["wall"] for s in steps])
-        warm = min(20, len(steps) // 10)
-        snapshots = [s for s in steps if "storage" in s]
+        steps, seconds, warm, snapshots = _run_log(log)
         first, last, settled, _ = _stretches(steps, seconds, snapshots, warm)
-        timed = [s for s in snapshots if "process" in s and s["step"] >= steps[-len(last)]["step"]]
-        cpu = ((timed[-1]["process"]["cpu_s"] - timed[0]["process"]["cpu_s"]) * 100
-               / (timed[-1]["step"] - timed[0]["step"])) if len(timed) >= 2 else float("nan")
+        cpu = (_per_100_steps(steps, snapshots, steps[-len(last):]) or {"cpu_s": float("nan")})["cpu_s"]
         got[name] = rate(last)
         print(f"  {name:<8} {took:5.1f} min, {len(steps)} steps; last 10% {rate(last):.2f} steps/s, "
               f"{cpu:.1f} CPU s per 100 steps; last / first 10% {rate(last) / rate(first):.2f}x, "
@@ -269,12 +290,7 @@ def compare_spinning(passive: Path, spinning: Path, minutes: tuple[float, float]
 def report(out_log: Path, mem_log: Path | None, new_rows: tuple[float, float] | None, budget: int,
            exclude: set[int] = frozenset()) -> None:
     # ``exclude``: steps whose time holds a checkpoint the benchmark itself took.
-    steps = [s for s in load(out_log) if s["step"] not in exclude]
-    # A step's wall time: from the end of the step before (loading, reads ahead, callbacks).
-    seconds = np.array([s["wall"] for s in steps])
-    warm = min(20, len(steps) // 10)
-    tenth = max(1, (len(steps) - warm) // 10)
-    snapshots = [s for s in steps if "storage" in s]
+    steps, seconds, warm, snapshots = _run_log(out_log, exclude)
     final = snapshots[-1]["storage"]
     rss = np.array([s["rss"] for s in steps])
     print(f"\nout-of-core run: {len(steps)} steps, {final['ssd_rows'] / 1e6:.1f}M rows on SSD "
@@ -296,22 +312,15 @@ def report(out_log: Path, mem_log: Path | None, new_rows: tuple[float, float] | 
                  f"{rate(last) / rate(settled):.2f}x ({rate(last):.2f} vs {rate(settled):.2f} steps/s; "
                  f"medians {np.median(settled) / np.median(last):.2f}x)"))
     # Where the time of the first and the last 10% went, per 100 steps.
-    timed = [s for s in snapshots if "process" in s]
-    for name, part in (("first 10%", steps[warm : warm + tenth]), ("last 10%", steps[-tenth:])):
-        inside = [s for s in timed if part[0]["step"] <= s["step"] <= part[-1]["step"]]
-        if len(inside) < 2:
+    for name, part in (("first 10%", steps[warm : warm + len(first)]), ("last 10%", steps[-len(last):])):
+        per = _per_100_steps(steps, snapshots, part)
+        if per is None:
             continue
-        a, b = inside[0], inside[-1]
-        n = b["step"] - a["step"]
-        wall = sum(s["wall"] for s in steps if a["step"] < s["step"] <= b["step"])
-        per = {k: (b["counters"].get(k, 0) - a["counters"].get(k, 0)) / 1e6 * 100 / n
-               for k in ("ssd_wait_us", "evict_us", "ssd_stall_us", "ssd_write_us", "ssd_clean_us")}
-        proc = {k: (b["process"][k] - a["process"][k]) * 100 / n for k in ("cpu_s", "system_s")}
-        disk = (b["process"]["disk_read_bytes"] - a["process"]["disk_read_bytes"]) / n / 2**20
         rows.append((f"  {name}, s per 100 steps: wall; CPU (of it system); waiting on the SSD writer, evicting, "
                      "SSD reads in the step; the writer's writes, cleaning; disk MiB read a step",
-                     f"{wall * 100 / n:.1f}; {proc['cpu_s']:.1f} ({proc['system_s']:.1f}); "
-                     + ", ".join(f"{v:.1f}" for v in per.values()) + f"; {disk:.1f}"))
+                     f"{per['wall']:.1f}; {per['cpu_s']:.1f} ({per['system_s']:.1f}); "
+                     + ", ".join(f"{per[k]:.1f}" for k in ("ssd_wait_us", "evict_us", "ssd_stall_us", "ssd_write_us",
+                                                          "ssd_clean_us")) + f"; {per['disk_mib']:.1f}"))
     if mem_log is not None:
         memory = np.array([s["wall"] for s in load(mem_log)])[warm:]
         rows.append(("speed: first 10% / all rows in memory (target >= 0.7)",
