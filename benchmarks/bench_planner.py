@@ -234,7 +234,8 @@ def one_round(args: argparse.Namespace, work: str, machine: object, shape: Model
           f"gloo all-to-all on 127.0.0.1: {rates_links.intra_node_bw / 1e9:.2f} GB/s, "
           f"{rates_links.collective_latency_s * 1e6:.0f} us a collective (a sharded step's fixed cost / 5), "
           f"{rates_links.example_op_s * 1e9:.0f} ns an example's feature routed, "
-          f"{rates_links.bag_op_s * 1e9:.0f} ns a bag pooled for the other rank", flush=True)
+          f"{rates_links.bag_op_s * 1e9:.0f} ns a bag pooled for the other rank, "
+          f"{rates_links.replica_op_s * 1e9:.0f} ns a row gradient a replica applies", flush=True)
     for name, options in two.items():
         ran = dataclasses.replace(options, sharding=ranks[0]["sharding"][name])
         plans[name] = plan(machine, shape, access, ran, rates=rates_links)

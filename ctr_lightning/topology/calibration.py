@@ -218,15 +218,16 @@ def _windows(t1: float, r1: float, t2: float, r2: float) -> float | None:
 
 
 def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGroup | None = None,
-                  reps: int = 5) -> HardwareRates:
+                  reps: int = 9) -> HardwareRates:
     """``rates`` with the links between the ranks of ``group`` (collective): the bandwidth
     of all-to-alls; as ``collective_latency_s`` the fixed cost a sharded step pays per
     collective (torchrec's all-to-alls of ids, lengths and pooled rows, their size
     exchanges, the ranks waiting on each other), from a row-wise ``shape`` model on 16
     examples against the same model alone; as ``example_op_s`` the cost of routing an
-    example's feature to its owner and back (table-wise on 512 examples), and as
-    ``bag_op_s`` of each bag a row-wise shard pools for another rank's example (row-wise
-    on 512 examples)."""
+    example's feature to its owner and back (table-wise on 512 examples), as ``bag_op_s``
+    of each bag a row-wise shard pools for another rank's example (row-wise on 512
+    examples), and as ``replica_op_s`` of each row gradient a data-parallel replica
+    applies (every table data-parallel, on 512 examples against 16)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     results = []
     for nbytes in (1 << 12, 1 << 23):
@@ -245,13 +246,25 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
     bw = (b1 - b0) / (t1 - t0) if t1 > 1.1 * t0 else b1 / t1
     alone = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
     rng = np.random.default_rng(rank)
-    seconds = {}
+    seconds, distinct = {}, {}
     runs = (("local", 16, alone[rank], "row_wise"), ("row_wise", 16, group, "row_wise"),
             ("local", 512, alone[rank], "row_wise"), ("row_wise", 512, group, "row_wise"),
-            ("table_wise", 512, group, "table_wise"))
+            ("table_wise", 512, group, "table_wise"), ("data_parallel", 16, group, "data_parallel"),
+            ("data_parallel", 512, group, "data_parallel"))
     for name, batch_size, own, sharding in runs:
         tiny = dataclasses.replace(shape, batch_size=batch_size)
-        batches = [make_batch(rng, tiny, 10_000, [1.0] * len(tiny.tables)) for _ in range(reps + 2)]
+        if name == "data_parallel":
+            # Every rank draws every rank's batches, to count the distinct rows the replicas step.
+            drawers = [np.random.default_rng(1000 + r) for r in range(world)]
+            each = [[make_batch(d, tiny, 10_000, [1.0] * len(tiny.tables)) for _ in range(reps + 2)] for d in drawers]
+            batches = each[rank]
+            timed = list(zip(*each))[2:]
+            distinct[batch_size] = (float(np.mean([_unique_rows(b[rank][1]) for b in timed])),
+                                    float(np.mean([_unique_rows(_concat_ids([x[1] for x in b])) for b in timed])))
+        else:
+            batches = [make_batch(rng, tiny, 10_000, [1.0] * len(tiny.tables)) for _ in range(reps + 2)]
+            if name == "local":
+                distinct["local", batch_size] = float(np.mean([_unique_rows(b[1]) for b in batches[2:]]))
         _, step = dlrm_step(tiny, None, sharding, process_group=own)
         for batch in batches[:2]:
             step(batch)
@@ -278,5 +291,29 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
     row_wise = seconds["row_wise", b] - seconds["local", b] - collectives * latency - (
         2 * (world - 1) * b * dim * 4 * features + ids) / bw - example * b * features
     bag = max(row_wise / ((world - 1) * b * features), 0.0)
+
+    # Replicas: a step sends (world - 1) x the rank's distinct ids and their gradient rows,
+    # and each replica steps the distinct rows of all ranks' batches; what is left grows
+    # with the row gradients applied, world x the rank's distinct ids. The slope between
+    # 16 and 512 examples leaves out what a step pays whatever its size (the collectives'
+    # latency, priced above).
+    def replica_left(n: int) -> tuple[float, float]:
+        own, union = distinct[n]
+        local_rows = distinct["local", n]
+        left = (seconds["data_parallel", n] - seconds["local", n] - (world - 1) * own * (8 + dim * 4) / bw
+                - rates.row_op_s * (union - local_rows))
+        return left, world * own
+
+    (left_small, rows_small), (left_large, rows_large) = replica_left(16), replica_left(b)
+    replica = max((left_large - left_small) / max(rows_large - rows_small, 1.0), 0.0)
     return dataclasses.replace(rates, intra_node_bw=bw, collective_latency_s=latency, example_op_s=example,
-                               bag_op_s=bag)
+                               bag_op_s=bag, replica_op_s=replica)
+
+
+def _concat_ids(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
+    """One KJT with every key's ids of all of ``kjts`` (for counting distinct rows)."""
+    per_key = [kjt.to_dict() for kjt in kjts]
+    keys = list(per_key[0])
+    values = [torch.cat([d[k].values() for d in per_key]) for k in keys]
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values),
+                                              lengths=torch.tensor([len(v) for v in values], dtype=torch.int32))

@@ -47,6 +47,7 @@ class HardwareRates:
     ssd_read_unit: int = SSD_PAGE  # bytes a random read of a row brings in (the page, or what the drive reads ahead)
     bag_op_s: float = 0.0  # per bag a rank pools for another rank's example (row-wise partial sums)
     example_op_s: float = 0.0  # per example and feature a sharded step routes to its owner and back
+    replica_op_s: float = 0.0  # per row gradient a data-parallel replica applies (one a rank's distinct id)
 
     @staticmethod
     def published(kind: str) -> HardwareRates:
@@ -136,7 +137,7 @@ class StepEstimate:
 
 def estimate_step(rates: HardwareRates, tables: Sequence[TableLoad], dense_flops: float,
                   intra_bytes: float, inter_bytes: float, collectives: int, host_tier: bool,
-                  extra_bags: float = 0.0, routed: float = 0.0) -> StepEstimate:
+                  extra_bags: float = 0.0, routed: float = 0.0, replica_rows: float = 0.0) -> StepEstimate:
     """Price one rank's step: dense compute, the tables' lookups and optimizer updates,
     rows moved between tiers, and the bytes its collectives send over each link.
 
@@ -144,7 +145,8 @@ def estimate_step(rates: HardwareRates, tables: Sequence[TableLoad], dense_flops
     are sequential except for what a prefetcher hides, which the estimate does not credit.
     ``extra_bags`` are the bags this rank pools beyond one per example and feature of its
     own batch (a row-wise shard pools every rank's examples); ``routed`` the examples times
-    features whose ids a sharded step sends to their owners.
+    features whose ids a sharded step sends to their owners; ``replica_rows`` the row
+    gradients data-parallel replicas apply, every rank's distinct ids of their tables.
     """
     device = sum(t.unique_rows * t.row_bytes * 2 + t.lookups * t.dim * 4 * 2 for t in tables)
     table_ops = sum(t.lookups * rates.lookup_op_s + t.unique_rows * rates.row_op_s for t in tables)
@@ -162,7 +164,7 @@ def estimate_step(rates: HardwareRates, tables: Sequence[TableLoad], dense_flops
     parts = {
         "overhead": rates.step_overhead_s,
         "dense": dense_flops / rates.dense_flops,
-        "tables": table_ops + device / rates.device_bw,
+        "tables": table_ops + device / rates.device_bw + replica_rows * rates.replica_op_s,
         "host->device": h2d / rates.host_to_device_bw,
         "ssd": (max(units / rates.ssd_read_iops, ssd_read / rates.ssd_read_bw)
                 + ssd_write / rates.ssd_write_bw),

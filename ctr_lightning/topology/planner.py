@@ -549,23 +549,28 @@ class _Pricing:
         k = max(shape.k, 1)
         intra = sent * (1 - remote) + dense * (1 - remote)
         inter = sent * remote + dense * remote / k
-        collectives = (4 if shape.sparse_sync == "step" else 1) + 1 if world > 1 else 0
         replicated = {p.name for p in placements if p.sharding.kind == "data_parallel"}
-        if world > 1 and shape.sparse_sync == "step" and replicated:
-            collectives += 3  # the replicas' gradients: counts, ids, rows (all-gathers)
-        bags = routed = 0.0
+        sharded = len(replicated) < len(placements)
+        # Sharded tables' all-to-alls (ids, lengths, pooled rows, their gradients; one merge
+        # under k-step), the dense part's all-reduce, the replicas' all-gathers.
+        collectives = 0
+        if world > 1:
+            collectives = ((4 if shape.sparse_sync == "step" else 1) if sharded else 0) + 1
+            if shape.sparse_sync == "step" and replicated:
+                collectives += 3  # the replicas' gradients: counts, ids, rows
+        bags = routed = replica_rows = 0.0
         if world > 1 and shape.sparse_sync == "step":
             features = {t.name: len(t.feature_names) for t in shape.tables}
-            # Beyond one bag an example and feature of its own batch: a shard pools every
-            # rank's examples; a replica its own, and one bag a rank's distinct id to step.
+            # Beyond one bag an example and feature of its own batch, a shard pools every
+            # rank's examples; a replica pools its own and applies a row gradient a rank's distinct id.
             bags = sum(b * world * features[p.name] for p in placements
                        if rank in holders[p.name] and p.name not in replicated)
-            bags += sum(b * features[name] + world * self.unique(name, b * self.access[name].pooling)
-                        for name in replicated)
-            bags -= b * sum(features.values())
+            bags -= b * sum(features[p.name] for p in placements if p.name not in replicated)
+            replica_rows = sum(world * self.unique(name, b * self.access[name].pooling) for name in replicated)
             routed = b * sum(features[p.name] for p in placements if p.name not in replicated)
         return estimate_step(self.rates, loads, shape.dense_flops_per_example * b, intra, inter, collectives,
-                             host_tier=self.accelerator == "gpu", extra_bags=bags, routed=routed)
+                             host_tier=self.accelerator == "gpu", extra_bags=bags, routed=routed,
+                             replica_rows=replica_rows)
 
 
 def _choose_sharding(shape: ModelShape, world: int, requested: str | Mapping[str, str],
