@@ -65,9 +65,11 @@ def table_rows(rows: int) -> list[int]:
     return [int(rows * share) for share, _ in TABLES]
 
 
-def model_shape(rows: int, batch: int) -> ModelShape:
+def model_shape(rows: int, batch: int, uniform: bool = False) -> ModelShape:
+    """The benchmark's model; ``uniform``: every table of ``rows`` ids (as the calibration's)."""
+    sizes = [rows] * len(TABLES) if uniform else table_rows(rows)
     tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=n, feature_names=[f"f{i}"])
-              for i, n in enumerate(table_rows(rows))]
+              for i, n in enumerate(sizes)]
     return ModelShape.dlrm(tables, SparseAdam(lr=1e-3), batch, 13, (64,), (128, 64, 1))
 
 

@@ -29,7 +29,9 @@ LINK_REFUSED = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOP
 
 
 _READ_THREADS = 4  # reads in flight on one read of many records (4-8 measured best here)
-_PARALLEL_READ_MIN = 2048  # records a thread, at least
+# Records a thread, at least: parallel from 512 records a read. From 4096 (2048 a thread), a
+# step reading 3.1k rows read them one at a time (benchmarks/bench_ssd_reads.py).
+_PARALLEL_READ_MIN = 256
 _pool: ThreadPoolExecutor | None = None
 
 

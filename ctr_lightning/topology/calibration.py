@@ -168,10 +168,11 @@ def measure_rates(shape: ModelShape, threads: int, ssd_dir: str | None = None, r
         ebc, step = dlrm_step(shape, StorageConfig(device_rows=budget_rows, host_rows=0, ssd_dir=d),
                               process_group=process_group)
         fill_tables(step, shape, rows)
-        # Two read densities on the same files: their costs give both the cost of a
-        # random read and how many bytes one brings in (rows near a read come free).
+        # Two read densities on the same files, far apart (every row alike, and a hot head):
+        # their costs give both the cost of a random read and how many bytes one brings in
+        # (rows near a read come free).
         points = []
-        for skew in (1.1, 1.4):
+        for skew in (0.0, 1.4):
             batches = [make_batch(rng, shape, rows, [skew] * n) for _ in range(steps + 3)]
             for batch in batches[:3]:
                 step(batch)
