@@ -29,9 +29,12 @@ LINK_REFUSED = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOP
 
 
 _READ_THREADS = 4  # reads in flight on one read of many records (4-8 measured best here)
-# Records a thread, at least: parallel from 512 records a read. From 4096 (2048 a thread), a
-# step reading 3.1k rows read them one at a time (benchmarks/bench_ssd_reads.py).
-_PARALLEL_READ_MIN = 256
+# Records a thread, at least, for a read a step waits on: parallel from 512 records. From 4096
+# (2048 a thread), a step reading 3.1k rows read them one at a time (bench_ssd_reads.py).
+PARALLEL_READ_MIN = 256
+# The same for reads in a background thread (read-ahead, cleaning): they overlap the step's
+# compute, and more threads there take cores from it, for rows the page cache often holds.
+BACKGROUND_READ_MIN = 2048
 _pool: ThreadPoolExecutor | None = None
 
 
@@ -244,8 +247,9 @@ class SsdLog:
 
     # -- reads ---------------------------------------------------------------------------
 
-    def _read_records(self, locations: np.ndarray, fds: dict[int, int]) -> np.ndarray:
-        """Whole records (header and row) at ``locations`` (any order), read in ascending runs."""
+    def _read_records(self, locations: np.ndarray, fds: dict[int, int], per_thread: int | None = None) -> np.ndarray:
+        """Whole records (header and row) at ``locations`` (any order), read in ascending runs,
+        by several threads from ``2 x per_thread`` records (default :data:`PARALLEL_READ_MIN`)."""
         out = np.empty((len(locations), self.record_words), dtype=np.float32)
         if not len(locations):
             return out
@@ -255,7 +259,7 @@ class SsdLog:
         # Runs of one segment each, cut further into pieces read by parallel threads: a
         # drive serves random reads several times faster with a few in flight.
         cuts = np.flatnonzero(np.diff(segments)) + 1
-        pieces = max(1, min(_READ_THREADS, len(order) // _PARALLEL_READ_MIN))
+        pieces = max(1, min(_READ_THREADS, len(order) // (per_thread or PARALLEL_READ_MIN)))
         cuts = np.union1d(cuts, np.linspace(0, len(order), pieces + 1).astype(np.int64)[1:-1])
         bounds = list(zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [len(order)]]).tolist()))
 
@@ -329,7 +333,7 @@ class SsdLog:
                      pinned: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
         """``(ok, rows)``: the rows at located records whose header names their key (another
         key sharing the hash is left to a read on demand). No lock: a prefetch thread."""
-        records = self._read_records(locations, pinned)
+        records = self._read_records(locations, pinned, BACKGROUND_READ_MIN)
         head_tables, head_ids = record_keys(records)
         ok = (head_tables == tables) & (head_ids == ids)
         return ok, np.ascontiguousarray(records[ok, _HEADER:])
@@ -422,7 +426,7 @@ class SsdLog:
             take = min(budget, victim.written - slot, 1 << 16)
             slots = np.arange(slot, slot + take, dtype=np.int64)
             locations = number * self.segment_records + slots
-            records = self._read_records(locations, {number: victim.fd})
+            records = self._read_records(locations, {number: victim.fd}, BACKGROUND_READ_MIN)
             tables, ids = record_keys(records)
             live = self.index.is_current(tables, ids, locations)
             if live.any():

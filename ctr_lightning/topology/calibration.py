@@ -9,6 +9,7 @@ import math
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from ctr_lightning.embedding.ssd_log import PARALLEL_READ_MIN
 from ctr_lightning.topology.auto_placement import set_threads
 from ctr_lightning.topology.cost_model import HardwareRates
 from ctr_lightning.topology.planner import ModelShape
@@ -189,6 +191,11 @@ def measure_rates(shape: ModelShape, threads: int, ssd_dir: str | None = None, r
         ebc.stop_prefetch()
         del ebc
     (t1, r1), (t2, r2) = points
+    if min(r1, r2) < 2 * PARALLEL_READ_MIN:
+        # The tier reads fewer rows one at a time: the two costs would differ by that, not by density.
+        warnings.warn(f"SSD calibration: {min(r1, r2):.0f} rows read a step at one density, under the "
+                      f"{2 * PARALLEL_READ_MIN} from which the SSD tier reads in parallel; its cost a read "
+                      f"mixes serial and parallel reads (raise the batch size or the rows)", stacklevel=2)
     windows = _windows(t1, r1, t2, r2)
     unit = int(min(max(file_bytes / windows, 4096), file_bytes)) if windows else 4096
     units = windows * -np.expm1(-r1 / windows) if windows else r1
@@ -247,7 +254,9 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
     bw = (b1 - b0) / (t1 - t0) if t1 > 1.1 * t0 else b1 / t1
     alone = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
     rng = np.random.default_rng(rank)
-    seconds, distinct = {}, {}
+    seconds: dict[tuple[str, int], float] = {}
+    local_rows: dict[int, float] = {}  # distinct rows a rank's batch touches alone
+    replica_rows: dict[int, tuple[float, float]] = {}  # a rank's distinct rows, and all ranks' together
     runs = (("local", 16, alone[rank], "row_wise"), ("row_wise", 16, group, "row_wise"),
             ("local", 512, alone[rank], "row_wise"), ("row_wise", 512, group, "row_wise"),
             ("table_wise", 512, group, "table_wise"), ("data_parallel", 16, group, "data_parallel"),
@@ -260,12 +269,12 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
             each = [[make_batch(d, tiny, 10_000, [1.0] * len(tiny.tables)) for _ in range(reps + 2)] for d in drawers]
             batches = each[rank]
             timed = list(zip(*each))[2:]
-            distinct[batch_size] = (float(np.mean([_unique_rows(b[rank][1]) for b in timed])),
-                                    float(np.mean([_unique_rows(_concat_ids([x[1] for x in b])) for b in timed])))
+            replica_rows[batch_size] = (float(np.mean([_unique_rows(b[rank][1]) for b in timed])),
+                                        float(np.mean([_unique_rows(_concat_ids([x[1] for x in b])) for b in timed])))
         else:
             batches = [make_batch(rng, tiny, 10_000, [1.0] * len(tiny.tables)) for _ in range(reps + 2)]
             if name == "local":
-                distinct["local", batch_size] = float(np.mean([_unique_rows(b[1]) for b in batches[2:]]))
+                local_rows[batch_size] = float(np.mean([_unique_rows(b[1]) for b in batches[2:]]))
         _, step = dlrm_step(tiny, None, sharding, process_group=own)
         for batch in batches[:2]:
             step(batch)
@@ -295,15 +304,17 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
 
     # Replicas: a step sends (world - 1) x the rank's distinct ids and their gradient rows,
     # and each replica steps the distinct rows of all ranks' batches; what is left grows
-    # with the row gradients applied, world x the rank's distinct ids. The slope between
+    # with the row gradients applied, world x the rank's distinct ids (as the cost model
+    # counts them, less what ``rates`` already charge a lookup for them). The slope between
     # 16 and 512 examples leaves out what a step pays whatever its size (the collectives'
-    # latency, priced above).
+    # latency, priced above). The replicas' work per lookup (turning pooled gradients into
+    # row gradients) lands in it too: it holds for tables about as skewed as these.
     def replica_left(n: int) -> tuple[float, float]:
-        own, union = distinct[n]
-        local_rows = distinct["local", n]
-        left = (seconds["data_parallel", n] - seconds["local", n] - (world - 1) * own * (8 + dim * 4) / bw
-                - rates.row_op_s * (union - local_rows))
-        return left, world * own
+        own_rows, union = replica_rows[n]
+        applied = world * own_rows
+        left = (seconds["data_parallel", n] - seconds["local", n] - (world - 1) * own_rows * (8 + dim * 4) / bw
+                - rates.row_op_s * (union - local_rows[n]) - applied * (rates.lookup_op_s + dim * 4 * 2 / rates.device_bw))
+        return left, applied
 
     (left_small, rows_small), (left_large, rows_large) = replica_left(16), replica_left(b)
     replica = max((left_large - left_small) / max(rows_large - rows_small, 1.0), 0.0)

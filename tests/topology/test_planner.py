@@ -1,4 +1,5 @@
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -7,7 +8,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding import RowWiseAdagrad, SparseAdam, TieredEmbeddingBagCollection
-from ctr_lightning.topology import Machine, ModelShape, PlanError, PlanOptions, TableAccess, plan
+from ctr_lightning.topology import HardwareRates, Machine, ModelShape, PlanError, PlanOptions, TableAccess, plan
 from ctr_lightning.topology.planner import SSD_OVERHEAD
 
 MACHINES = Path(__file__).parent / "machines"
@@ -244,3 +245,31 @@ def test_memory_limit_and_cpus_outside_the_process_are_respected():
     pinned = dataclasses.replace(two, allowed_cpus=tuple(range(32, 64)))  # a container on socket 1 only
     p = plan(pinned, _shape([1000]), options=PlanOptions(ranks_per_node=2))
     assert p.ranks[0].cpus == tuple(range(32, 64)) and p.ranks[1].cpus == tuple(range(32, 64))
+
+
+def test_collectives_and_replica_rows_are_priced_once_per_kind_of_table():
+    # Rates where only a collective's latency, or only a replica's row gradient, costs:
+    # the estimate then counts them.
+    vm = Machine.load(MACHINES / "vm_1socket.json")
+    free = dataclasses.replace(
+        HardwareRates.published("cpu"), device_bw=math.inf, host_to_device_bw=math.inf, intra_node_bw=math.inf,
+        inter_node_bw=math.inf, dense_flops=math.inf, row_op_s=0.0, lookup_op_s=0.0, collective_latency_s=1.0)
+    shape = _shape([1000, 1000], dim=16, batch=64)
+    access = {t.name: TableAccess.zipf(t.num_embeddings, 1.0) for t in shape.tables}
+
+    def comm(sharding, model=shape, rates=free):
+        options = PlanOptions(ranks_per_node=2, sharding=sharding)
+        return plan(vm, model, access, options, rates=rates).step_estimate
+
+    # ids, lengths, pooled rows, their gradients (all-to-alls) and the dense all-reduce
+    assert comm("row_wise").parts["comm"] == pytest.approx(5)
+    # the replicas' counts, ids and row gradients (all-gathers), no all-to-all, the dense all-reduce
+    assert comm("data_parallel").parts["comm"] == pytest.approx(4)
+    assert comm({"t0": "row_wise", "t1": "data_parallel"}).parts["comm"] == pytest.approx(8)
+    # k-step tables: one merge, the dense all-reduce
+    assert comm("row_wise", dataclasses.replace(shape, sparse_sync="k_step")).parts["comm"] == pytest.approx(2)
+    # A replica applies one row gradient a rank's distinct id, priced by replica_op_s alone.
+    rows_only = dataclasses.replace(free, collective_latency_s=0.0, replica_op_s=1.0)
+    replicated = comm({"t0": "row_wise", "t1": "data_parallel"}, rates=rows_only)
+    assert replicated.parts["tables"] == pytest.approx(2 * access["t1"].unique(64))
+    assert comm("row_wise", rates=rows_only).parts["tables"] == 0
