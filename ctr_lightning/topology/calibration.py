@@ -226,16 +226,18 @@ def _windows(t1: float, r1: float, t2: float, r2: float) -> float | None:
 
 
 def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGroup | None = None,
-                  reps: int = 9) -> HardwareRates:
+                  reps: int = 9, examples: int | None = None) -> HardwareRates:
     """``rates`` with the links between the ranks of ``group`` (collective): the bandwidth
     of all-to-alls; as ``collective_latency_s`` the fixed cost a sharded step pays per
     collective (torchrec's all-to-alls of ids, lengths and pooled rows, their size
     exchanges, the ranks waiting on each other), from a row-wise ``shape`` model on 16
     examples against the same model alone; as ``example_op_s`` the cost of routing an
-    example's feature to its owner and back (table-wise on 512 examples), as ``bag_op_s``
-    of each bag a row-wise shard pools for another rank's example (row-wise on 512
-    examples), and as ``replica_op_s`` of each row gradient a data-parallel replica
-    applies (every table data-parallel, on 512 examples against 16)."""
+    example's feature to its owner and back (table-wise on ``examples``), as ``bag_op_s``
+    of each bag a row-wise shard pools for another rank's example (row-wise on ``examples``),
+    and as ``replica_op_s`` of each row gradient a data-parallel replica
+    applies (every table data-parallel, on ``examples`` against 16). ``examples`` is the
+    shape's batch size unless given: the costs found at the batch they price, whose work
+    stands well above the noise of the fixed costs taken away."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     results = []
     for nbytes in (1 << 12, 1 << 23):
@@ -254,13 +256,14 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
     bw = (b1 - b0) / (t1 - t0) if t1 > 1.1 * t0 else b1 / t1
     alone = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
     rng = np.random.default_rng(rank)
+    b = max(examples or shape.batch_size, 32)
     seconds: dict[tuple[str, int], float] = {}
     local_rows: dict[int, float] = {}  # distinct rows a rank's batch touches alone
     replica_rows: dict[int, tuple[float, float]] = {}  # a rank's distinct rows, and all ranks' together
     runs = (("local", 16, alone[rank], "row_wise"), ("row_wise", 16, group, "row_wise"),
-            ("local", 512, alone[rank], "row_wise"), ("row_wise", 512, group, "row_wise"),
-            ("table_wise", 512, group, "table_wise"), ("data_parallel", 16, group, "data_parallel"),
-            ("data_parallel", 512, group, "data_parallel"))
+            ("local", b, alone[rank], "row_wise"), ("row_wise", b, group, "row_wise"),
+            ("table_wise", b, group, "table_wise"), ("data_parallel", 16, group, "data_parallel"),
+            ("data_parallel", b, group, "data_parallel"))
     for name, batch_size, own, sharding in runs:
         tiny = dataclasses.replace(shape, batch_size=batch_size)
         if name == "data_parallel":
@@ -287,13 +290,12 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
         seconds[name, batch_size] = float(np.median(times))
     collectives = 5  # as the cost model counts a sharded step's: ids, lengths, pooled rows, their grads, dense
     latency = max((seconds["row_wise", 16] - seconds["local", 16]) / collectives, 1e-6)
-    # At 512 examples: table-wise, each rank pools its own tables' bags for all ranks (as
+    # At b examples: table-wise, each rank pools its own tables' bags for all ranks (as
     # many bags as alone) and routes its examples' ids and pooled rows; row-wise pools
-    # (world - 1) * 512 bags a feature more. What is left after bytes and latency is per
+    # (world - 1) * b bags a feature more. What is left after bytes and latency is per
     # example and feature routed, and per bag pooled for another rank.
     features = sum(len(t.feature_names) for t in shape.tables)
     dim = shape.tables[0].embedding_dim
-    b = 512
     ids = b * features * 8 * (world - 1) / world
     table_wise = seconds["table_wise", b] - seconds["local", b] - collectives * latency - (
         b * dim * 4 * features * 2 * (world - 1) / world + ids) / bw
@@ -306,7 +308,7 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
     # and each replica steps the distinct rows of all ranks' batches; what is left grows
     # with the row gradients applied, world x the rank's distinct ids (as the cost model
     # counts them, less what ``rates`` already charge a lookup for them). The slope between
-    # 16 and 512 examples leaves out what a step pays whatever its size (the collectives'
+    # 16 and b examples leaves out what a step pays whatever its size (the collectives'
     # latency, priced above). The replicas' work per lookup (turning pooled gradients into
     # row gradients) lands in it too: it holds for tables about as skewed as these.
     def replica_left(n: int) -> tuple[float, float]:
