@@ -41,6 +41,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -82,17 +83,25 @@ def run_placement(shape: ModelShape, rows: list[int], storage: object, sharding:
     batches = [make_batch(rng, shape, rows, list(SKEWS)) for _ in range(steps + 4)]
     for batch in batches[:4]:
         step(batch)
-    times, reads = [], []
-    for batch in batches[4:]:
+    seconds, reads, _ = np.median(time_steps(ebc, step, batches[4:], cold), axis=0)
+    ebc.stop_prefetch()
+    return {"seconds": float(seconds), "ssd_rows": float(reads)}
+
+
+def time_steps(ebc: object, step: Callable, batches: list, cold: str | None) -> np.ndarray:
+    """Per step of ``batches``: seconds, rows read from SSD, seconds waiting on those reads;
+    with ``cold``, that SSD directory's pages are dropped from the page cache before each."""
+    out = []
+    for batch in batches:
         if cold:
             drop_cached_pages(cold)
-        before = ebc.tier_stats()["ssd_hits"]
+        before = ebc.tier_stats()
         start = time.perf_counter()
         step(batch)
-        times.append(time.perf_counter() - start)
-        reads.append(ebc.tier_stats()["ssd_hits"] - before)
-    ebc.stop_prefetch()
-    return {"seconds": float(np.median(times)), "ssd_rows": float(np.median(reads))}
+        seconds = time.perf_counter() - start
+        after = ebc.tier_stats()
+        out.append((seconds, after["ssd_hits"] - before["ssd_hits"], (after["ssd_stall_us"] - before["ssd_stall_us"]) / 1e6))
+    return np.array(out, dtype=np.float64)
 
 
 def _two_ranks(rank: int, port: int, shape: ModelShape, rows: list[int], steps: int, plans: dict, out: str) -> None:

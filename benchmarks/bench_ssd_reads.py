@@ -25,7 +25,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -34,7 +33,7 @@ import ctr_lightning.embedding.ssd_log as ssd_log
 from ctr_lightning.embedding import StorageConfig
 from ctr_lightning.topology import ModelShape, PlanOptions, TableAccess, discover, plan
 from ctr_lightning.topology.auto_placement import set_threads
-from ctr_lightning.topology.calibration import dlrm_step, drop_cached_pages, fill_tables, make_batch
+from ctr_lightning.topology.calibration import dlrm_step, fill_tables, make_batch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_planner  # noqa: E402  (the same model, tables and candidates)
@@ -47,17 +46,8 @@ def timed_steps(ebc: object, step: Callable, batches: list, directory: str,
                 per_thread: int) -> tuple[float, float, float]:
     """Median over ``batches`` of (rows read, ms waiting on SSD reads, step ms)."""
     ssd_log.PARALLEL_READ_MIN = per_thread
-    out = []
-    for batch in batches:
-        drop_cached_pages(directory)
-        before = ebc.tier_stats()
-        start = time.perf_counter()
-        step(batch)
-        seconds = time.perf_counter() - start
-        after = ebc.tier_stats()
-        out.append((after["ssd_hits"] - before["ssd_hits"], (after["ssd_stall_us"] - before["ssd_stall_us"]) / 1e3,
-                    seconds * 1e3))
-    return tuple(float(x) for x in np.median(np.array(out), axis=0))
+    seconds, reads, stall = np.median(bench_planner.time_steps(ebc, step, batches, directory), axis=0)
+    return float(reads), float(stall * 1e3), float(seconds * 1e3)
 
 
 def layout(name: str, shape: ModelShape, rows: int | list[int], storage_in: Callable[[str], object],

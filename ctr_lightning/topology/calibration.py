@@ -112,8 +112,10 @@ def drop_cached_pages(directory: str) -> None:
                 os.close(fd)
 
 
-def _unique_rows(kjt: KeyedJaggedTensor) -> int:
-    return sum(len(np.unique(jt.values().numpy())) for jt in kjt.to_dict().values())
+def _unique_rows(*kjts: KeyedJaggedTensor) -> int:
+    """Distinct ids per key, summed over keys, of the batches together."""
+    per_key = [kjt.to_dict() for kjt in kjts]
+    return sum(len(np.unique(np.concatenate([d[k].values().numpy() for d in per_key]))) for k in per_key[0])
 
 
 def measure_rates(shape: ModelShape, threads: int, ssd_dir: str | None = None, rows: int = 100_000,
@@ -273,7 +275,7 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
             batches = each[rank]
             timed = list(zip(*each))[2:]
             replica_rows[batch_size] = (float(np.mean([_unique_rows(b[rank][1]) for b in timed])),
-                                        float(np.mean([_unique_rows(_concat_ids([x[1] for x in b])) for b in timed])))
+                                        float(np.mean([_unique_rows(*[x[1] for x in b]) for b in timed])))
         else:
             batches = [make_batch(rng, tiny, 10_000, [1.0] * len(tiny.tables)) for _ in range(reps + 2)]
             if name == "local":
@@ -323,11 +325,3 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
     return dataclasses.replace(rates, intra_node_bw=bw, collective_latency_s=latency, example_op_s=example,
                                bag_op_s=bag, replica_op_s=replica)
 
-
-def _concat_ids(kjts: Sequence[KeyedJaggedTensor]) -> KeyedJaggedTensor:
-    """One KJT with every key's ids of all of ``kjts`` (for counting distinct rows)."""
-    per_key = [kjt.to_dict() for kjt in kjts]
-    keys = list(per_key[0])
-    values = [torch.cat([d[k].values() for d in per_key]) for k in keys]
-    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values),
-                                              lengths=torch.tensor([len(v) for v in values], dtype=torch.int32))
