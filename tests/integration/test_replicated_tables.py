@@ -25,6 +25,7 @@ def batch(seed, quiet=False):
     return KeyedJaggedTensor(keys=["f0", "f1"], values=torch.from_numpy(ids), lengths=torch.from_numpy(lengths.reshape(-1)))
 WEIGHTS = torch.randn(12, generator=torch.Generator().manual_seed(0))
 QUIET = (2, 3)  # with different batches, rank 1 touches no row of t1 in these steps
+EVALUATED = 999  # the seed of the batch evaluated between syncs
 def step(ebc, kjt):
     (ebc(kjt).values() @ WEIGHTS).mean().backward()
 """
@@ -37,6 +38,7 @@ from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBa
 rank, port, out_dir, same, k, steps = (int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "same",
                                        int(sys.argv[5]), int(sys.argv[6]))
 state_dtype = sys.argv[7] if len(sys.argv) > 7 else "float32"  # exact, unless a test asks otherwise
+evaluate_after = int(sys.argv[8]) if len(sys.argv) > 8 else -1  # an evaluation forward after this many steps
 label = sys.argv[4] + ("" if state_dtype == "float32" else "_" + state_dtype)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 ebc = TieredEmbeddingBagCollection(
@@ -45,6 +47,11 @@ ebc = TieredEmbeddingBagCollection(
     sync_state_dtype=state_dtype)
 for s in range(steps):
     step(ebc, batch(s) if same else batch(100 * rank + s, quiet=rank == 1 and s in QUIET))
+    if s + 1 == evaluate_after:
+        ebc.eval()
+        with torch.no_grad():
+            torch.save(ebc(batch(EVALUATED)).values(), os.path.join(out_dir, f"{label}_eval{rank}.pt"))
+        ebc.train()
 state = ebc.get_extra_state()  # collective: merges what is pending, gathers the shards
 if rank == 0:
     torch.save({"state": state, "bytes": ebc.comm_bytes(), "stats": ebc.tier_stats()},
@@ -80,18 +87,22 @@ def test_same_batches_on_both_ranks_equal_one_process(tmp_path, run_ranks):
 @pytest.mark.slow
 def test_owners_average_the_deltas_of_the_ranks_that_touched_a_row(tmp_path, run_ranks):
     # Intervals of 2 steps; in the second, rank 1 touches no row of t1 (and still takes part
-    # in its sync). The 7th step is merged by the checkpoint taken after it, between syncs.
-    k, steps = 2, 7
-    run_ranks(RANK_SCRIPT, ["{port}", str(tmp_path), "different", str(k), str(steps)], world=2, ddp_env=False)
+    # in its sync). The 7th step is merged by an evaluation forward after it, between syncs,
+    # which does not move the schedule (the 8th step still ends an interval); the 9th is
+    # merged by the checkpoint taken after it.
+    k, steps, evaluated = 2, 9, 7
+    run_ranks(RANK_SCRIPT, ["{port}", str(tmp_path), "different", str(k), str(steps), "float32", str(evaluated)],
+              world=2, ddp_env=False)
     got = torch.load(tmp_path / "different.pt", weights_only=False)["state"]["tables"]
+    scores = [torch.load(tmp_path / f"different_eval{rank}.pt") for rank in range(2)]
     # Reference: each interval, two single processes start from the merged state and train
     # k steps on their rank's batches; a row becomes base + mean delta of those that touched it.
     fresh = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
     width = {"t0": 24, "t1": 12}
     state = {t.name: {"ids": torch.empty(0, dtype=torch.int64), "rows": torch.empty(0, width[t.name]), "steps": 0}
              for t in TABLES}
-    for first in range(0, steps, k):
-        last = min(first + k, steps)
+    bounds = [0, 2, 4, 6, 7, 8, 9]
+    for first, last in zip(bounds[:-1], bounds[1:]):
         results, touched = [], []
         for rank in range(2):
             ebc = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
@@ -125,10 +136,48 @@ def test_owners_average_the_deltas_of_the_ranks_that_touched_a_row(tmp_path, run
             new_state[name] = {"ids": ids_t, "rows": base + total / count.clamp(min=1),
                                "steps": last}
         state = new_state
+        if last == evaluated:  # both ranks evaluated the merged rows, as one process holding them does
+            ebc = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
+            ebc.set_extra_state({"tables": state})
+            ebc.eval()
+            with torch.no_grad():
+                want = ebc(batch(EVALUATED)).values()
+            torch.testing.assert_close(scores[0], want, atol=1e-5, rtol=0)
+            torch.testing.assert_close(scores[1], want, atol=1e-5, rtol=0)
     for t in TABLES:
         (wi, wr), (gi, gr) = by_id(state[t.name]), by_id(got[t.name])
         assert torch.equal(wi, gi) and len(gi) > 50  # stored rows are exactly the trained ones
         torch.testing.assert_close(gr, wr, atol=1e-5, rtol=0)
+
+
+RESUME_SCRIPT = COMMON + r"""
+import json, sys
+import torch.distributed as dist
+from ctr_lightning.embedding import SparseAdam, TieredEmbeddingBagCollection
+rank, port = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def collection():  # merges every 4 steps after 4 synchronous ones, as a KStepAdamStrategy(k=4, warmup_steps=4) sets
+    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05), sparse_sync="k_step")
+    ebc.follow_merge_schedule(4, warmup_steps=4)
+    return ebc
+ebc = collection()
+for s in range(9):
+    step(ebc, batch(100 * rank + s))
+resumed = collection()
+resumed.set_extra_state(ebc.get_extra_state())  # a checkpoint after step 9, between merges
+for s in range(9, 11):  # steps 10 and 11: local steps 6 and 7 of the k-step phase, no merge due
+    step(resumed, batch(100 * rank + s))
+print("RESULT " + json.dumps({"merges": resumed._built().merges}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_resumed_run_keeps_the_tables_merge_schedule(run_ranks):
+    # Restarting the schedule at step 0 would run the warm-up again: step 10 synchronous,
+    # so merged at step 11.
+    results = run_ranks(RESUME_SCRIPT, ["{port}"], world=2, ddp_env=False)
+    assert [r["merges"] for r in results] == [0, 0]
 
 
 def test_bad_sparse_sync_arguments():

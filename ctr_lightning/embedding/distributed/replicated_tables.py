@@ -39,7 +39,8 @@ class ReplicatedTables(TableEngine):
     When ``schedule`` says (every ``k`` training steps, after any synchronous warm-up
     steps) each rank pushes the deltas of the rows it changed to their owners, each owner
     adds the mean delta of the ranks that touched a row, and the replicas are emptied, so
-    the next steps pull fresh rows.
+    the next steps pull fresh rows. An evaluation forward first merges whatever steps are
+    pending (collective, as evaluation forwards are), so every rank evaluates the merged rows.
 
     With ``k=1`` and the same batch on every rank, this equals one process on that batch.
 
@@ -108,6 +109,11 @@ class ReplicatedTables(TableEngine):
                 self.merge()
             # A synchronous step (warm-up) is merged right after, as k = 1 would be.
             self._merge_due = self.schedule.synchronous() | self.schedule.step()
+        elif self._merge_due or self.schedule.pending():
+            # Evaluation sees the one merged table, as it sees the merged dense model
+            # (KStepAdamStrategy merges that when validation starts): a rank's own unmerged
+            # rows would score its share of the rows with a model nobody trains.
+            self.merge()
         parts = self.replica.split(features)
         self._pull(parts)
         return self.replica.forward(features, train, parts)
@@ -204,6 +210,7 @@ class ReplicatedTables(TableEngine):
             group.forget()
             self._bases[g] = []
         self._merge_due = False
+        self.schedule.merged()  # unscheduled merges (evaluation, checkpoints) do not move the schedule
         self.merges += 1
 
     def _apply_deltas(self, got_keys: list[torch.Tensor], got_flat: list[torch.Tensor]) -> None:
@@ -281,11 +288,17 @@ class ReplicatedTables(TableEngine):
         return broadcast_from_rank0(value, self.process_group)
 
     def _reset_replicas(self, steps: Mapping[str, int]) -> None:
-        """After a load: no replica rows, no pending deltas, the loaded step counts."""
+        """After a load: no replica rows, no pending deltas, the loaded step counts, and the
+        merge schedule where they left it (a resumed run neither repeats its warm-up nor
+        shifts its merges)."""
         for group in self.replica.groups:
             group.forget()
             group.steps = np.array([int(steps[n]) for n in group.names], dtype=np.int64)
         self._bases = [[] for _ in self.replica.groups]
+        self._merge_due = False
+        # Every table counts every training step (the replicas look up each one), so any
+        # table's count is the run's.
+        self.schedule.resume(max((int(v) for v in steps.values()), default=0))
 
     def move_device_tier(self, device: torch.device) -> None:
         self.shard.move_device_tier(device)
