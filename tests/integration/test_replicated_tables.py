@@ -49,7 +49,7 @@ for s in range(steps):
     step(ebc, batch(s) if same else batch(100 * rank + s, quiet=rank == 1 and s in QUIET))
     if s + 1 == evaluate_after:
         ebc.eval()
-        with torch.no_grad():
+        with torch.inference_mode():  # as Lightning validates (but on gloo); the next steps still train
             torch.save(ebc(batch(EVALUATED)).values(), os.path.join(out_dir, f"{label}_eval{rank}.pt"))
         ebc.train()
 state = ebc.get_extra_state()  # collective: merges what is pending, gathers the shards

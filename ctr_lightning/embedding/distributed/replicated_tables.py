@@ -103,19 +103,24 @@ class ReplicatedTables(TableEngine):
     # -- one step --------------------------------------------------------------------------
 
     def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
+        parts = self.replica.split(features)
         if train:
             # The merge after a step runs when the next training step starts: its backward is done.
             if self._merge_due:
                 self.merge()
             # A synchronous step (warm-up) is merged right after, as k = 1 would be.
             self._merge_due = self.schedule.synchronous() | self.schedule.step()
-        elif self._merge_due or self.schedule.pending():
-            # Evaluation sees the one merged table, as it sees the merged dense model
-            # (KStepAdamStrategy merges that when validation starts): a rank's own unmerged
-            # rows would score its share of the rows with a model nobody trains.
-            self.merge()
-        parts = self.replica.split(features)
-        self._pull(parts)
+            self._pull(parts)
+        else:
+            # The rows the merge and the pull keep must stay normal tensors when evaluation
+            # runs under inference mode, or the next training step cannot update them.
+            with torch.inference_mode(False), torch.no_grad():
+                if self._merge_due or self.schedule.pending():
+                    # Evaluation sees the one merged table, as it sees the merged dense model
+                    # (KStepAdamStrategy merges that when validation starts): a rank's own
+                    # unmerged rows would score its share of the rows with a model nobody trains.
+                    self.merge()
+                self._pull(parts)
         return self.replica.forward(features, train, parts)
 
     def _owner(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -296,8 +301,9 @@ class ReplicatedTables(TableEngine):
             group.steps = np.array([int(steps[n]) for n in group.names], dtype=np.int64)
         self._bases = [[] for _ in self.replica.groups]
         self._merge_due = False
-        # Every table counts every training step (the replicas look up each one), so any
-        # table's count is the run's.
+        # The schedule counts training forwards, the tables their backward passes: the same
+        # number in a run that trains every batch it looks up, and every table steps in
+        # every backward (the replicas look each one up), so the largest count is the run's.
         self.schedule.resume(max((int(v) for v in steps.values()), default=0))
 
     def move_device_tier(self, device: torch.device) -> None:
