@@ -10,10 +10,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from ctr_lightning.callbacks.tiered_collections import tiered_collections
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest
+from ctr_lightning.embedding.table_snapshot import SNAPSHOT_NAME, SnapshotManifest, abandoned
 from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
 
 
@@ -47,8 +48,12 @@ class TableSnapshots(Callback):
     Snapshots go to ``root``, by default ``table_snapshots`` beside the first
     ``ModelCheckpoint``'s files. At each save, and at the end of fit, the snapshots this
     process wrote that no checkpoint file under the ModelCheckpoint directories refers to
-    any more (top-k rotation) are deleted, except the one of the current rows; snapshots
-    of earlier runs are never touched. A checkpoint saved by hand elsewhere
+    any more (top-k rotation) are deleted, except the one of the current rows; complete
+    snapshots of earlier runs are never touched. When fit starts (a resume, typically),
+    the abandoned ones under ``root`` are deleted: saves killed or failed before their
+    manifest whose every writing process is gone (each holds a lock while it writes), which
+    nothing can load and whose hard links would keep retired SSD segments on disk. A
+    checkpoint saved by hand elsewhere
     (``trainer.save_checkpoint("x.ckpt")``) does not protect its snapshot: save it into a
     ModelCheckpoint directory. A run directory moved elsewhere resumes: snapshots are found
     by name beside the checkpoint resumed from, and a chain's parents beside their child.
@@ -100,6 +105,19 @@ class TableSnapshots(Callback):
             self.root = Path(dirs[0] if dirs else trainer.default_root_dir) / "table_snapshots"
         for collection in self._collections:
             collection.checkpoint_to_snapshots(self.root, self.full_every)
+        if trainer.is_global_zero:
+            self._delete_abandoned()
+
+    def _delete_abandoned(self) -> None:
+        if not self.root.is_dir():
+            return
+        incomplete = [d for d in self.root.iterdir() if SNAPSHOT_NAME.fullmatch(d.name) and abandoned(d)]
+        for directory in incomplete:
+            shutil.rmtree(directory, ignore_errors=True)
+        if incomplete:
+            rank_zero_info(f"TableSnapshots: deleted {len(incomplete)} abandoned snapshot(s) under {self.root} "
+                           f"(saves killed or failed before their manifest): "
+                           f"{', '.join(sorted(d.name for d in incomplete))}")
 
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,

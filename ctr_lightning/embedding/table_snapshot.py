@@ -12,10 +12,15 @@ another sharding.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
+import re
+import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +41,17 @@ from ctr_lightning.embedding.ssd_log import SsdLog
 from ctr_lightning.fault_points import reached
 
 MANIFEST = "manifest.json"
+# Checkpoints name snapshots by the rows' version and a random suffix (two runs, or a
+# resumed run, never write into one directory).
+SNAPSHOT_NAME = re.compile(r"v\d{9,}-[0-9a-f]{8}")
+WRITING = ".writing-"  # + the writer's file prefix: locked while a save writes, gone once it is complete
 FORMAT = "ctr-lightning-table-snapshot-2"  # 2: files may be segment sets (SnapshotFile.kind)
 READABLE = ("ctr-lightning-table-snapshot-1", FORMAT)
+
+
+def snapshot_name(version: int) -> str:
+    """A new snapshot directory's name (``SNAPSHOT_NAME``) for rows of ``version``."""
+    return f"v{version:09d}-{uuid.uuid4().hex[:8]}"
 
 
 @dataclass(frozen=True)
@@ -175,6 +189,59 @@ def prepare_directory(directory: str | os.PathLike) -> Path:
     return directory
 
 
+_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+@contextmanager
+def writing(directory: str | os.PathLike, writer: str) -> Iterator[Path]:
+    """The snapshot directory (:func:`prepare_directory`), marked as written by this process
+    for as long as the block runs: a lock file ``.writing-<writer>`` it holds an exclusive
+    ``flock`` on, which the kernel drops when the process dies. A block that completes
+    removes the file; one that raises leaves it, unlocked, so :func:`abandoned` knows the
+    directory for what a killed or failed save left."""
+    directory = prepare_directory(directory)
+    lock = directory / f"{WRITING}{writer}"
+    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                raise
+            # A file system without locks (some parallel ones): the file stays unlocked
+            # while this save runs, and abandoned() cannot tell, so it keeps the directory.
+        yield directory
+        lock.unlink()
+    finally:
+        os.close(fd)
+
+
+def abandoned(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` is a snapshot no process will complete: no manifest, and every
+    writer that marked it (:func:`writing`) is gone. Unmarked directories are not known to
+    be abandoned (a writer may not have marked it yet)."""
+    directory = Path(directory)
+    locks = list(directory.glob(f"{WRITING}*"))
+    if not locks or (directory / MANIFEST).exists():
+        return False
+    for lock in locks:
+        try:
+            fd = os.open(lock, os.O_RDWR)
+        except FileNotFoundError:
+            return False  # its writer completed meanwhile
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # its writer is alive
+        except OSError as e:
+            if e.errno in _NO_LOCKS:
+                return False  # no locks on this file system: whether a writer lives is unknown
+            raise
+        finally:
+            os.close(fd)
+    return not (directory / MANIFEST).exists()
+
+
 def write_shard(engine, directory: str | os.PathLike, rank: int = 0, chunk_rows: int = 1 << 16,
                 steps: dict[str, int] | None = None, changed_only: bool = False,
                 prefix: str | None = None) -> ShardFiles:
@@ -229,10 +296,10 @@ def save_tables(engine, directory: str | os.PathLike, chunk_rows: int = 1 << 16,
     group), then the manifest. With ``parent`` (the engine's last snapshot, saved or
     loaded) only the rows changed since are written. ``directory`` must not hold a
     snapshot already."""
-    directory = prepare_directory(directory)
-    manifest = join_shards([write_shard(engine, directory, 0, chunk_rows, changed_only=parent is not None)],
-                           parent=parent)
-    write_manifest(directory, manifest)
+    with writing(directory, "rank0") as directory:
+        manifest = join_shards([write_shard(engine, directory, 0, chunk_rows, changed_only=parent is not None)],
+                               parent=parent)
+        write_manifest(directory, manifest)
     mark_saved(engine)
     return manifest
 

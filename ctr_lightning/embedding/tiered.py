@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,7 @@ from ctr_lightning.embedding.sharding_plan import SHARDING_KINDS, TableSharding,
 from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig
 from ctr_lightning.embedding.table_checks import check_tables
 from ctr_lightning.embedding.table_setup import TableSetup, check_kernel_device
-from ctr_lightning.embedding.table_snapshot import MANIFEST, SnapshotManifest, SnapshotRef
+from ctr_lightning.embedding.table_snapshot import MANIFEST, SnapshotManifest, SnapshotRef, snapshot_name
 from ctr_lightning.fault_points import reached
 from ctr_lightning.strategies.merge_schedule import MergeSchedule
 
@@ -419,7 +418,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             # Lightning asks twice per checkpoint (the module is reachable under two names).
             if self._snapshot is None or self._snapshot[0] != self._version:
                 # Collective when sharded: every rank writes into the directory rank 0 names.
-                name = self._built().from_rank0(f"v{self._version:09d}-{uuid.uuid4().hex[:8]}")
+                name = self._built().from_rank0(snapshot_name(self._version))
                 directory = self._snapshot_root / name
                 self.snapshots_written.append(directory.resolve())
                 manifest = self.save_tables(directory, incremental=True)

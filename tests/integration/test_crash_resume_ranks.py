@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest, read_snapshot_file
+from ctr_lightning.embedding.table_snapshot import MANIFEST, WRITING, SnapshotManifest, read_snapshot_file
 from ctr_lightning.fault_points import POINTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,6 +99,10 @@ def test_sigkill_at_five_random_points_then_fit_ckpt_path_last_is_bit_exact(tmp_
         assert ranks[rank][0] == -signal.SIGKILL, f"{where}: kill {n} ({point}) did not happen\n{ranks}"
     resumed = until_one_exits([*fit, config, "--ckpt_path", "last"], 2, [{}, {}])
     assert [code for code, _ in resumed] == [0, 0], f"{where}\n{resumed}"
+    # Kills in a save left snapshots without a manifest; resumed runs deleted them, and
+    # completed saves leave no lock file.
+    assert all((d / MANIFEST).exists() and not list(d.glob(f"{WRITING}*"))
+               for d in (work / "ckpt" / "table_snapshots").iterdir()), where
 
     a, b = _final(tmp_path / "full"), _final(work)
     assert a["steps"] == b["steps"], where

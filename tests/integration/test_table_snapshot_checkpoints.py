@@ -2,6 +2,7 @@
 a snapshot; top-k rotation deletes only snapshots no kept checkpoint names; a resumed run
 ends bit for bit where an uninterrupted one does."""
 
+import fcntl
 import shutil
 
 import lightning.pytorch as pl
@@ -12,7 +13,7 @@ from ctr_lightning.callbacks import TableSnapshots
 from ctr_lightning.callbacks.table_snapshots import snapshot_references, with_ancestors
 from ctr_lightning.datamodules import CriteoDataModule, write_synthetic_criteo
 from ctr_lightning.embedding import StorageConfig, TieredEmbeddingBagCollection
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest
+from ctr_lightning.embedding.table_snapshot import MANIFEST, WRITING, SnapshotManifest
 from ctr_lightning.models import DLRMModule
 
 STEPS, EVERY = 24, 6
@@ -65,7 +66,25 @@ def test_checkpoints_reference_snapshots_rotate_them_and_resume_bit_exact(tmp_pa
     # snapshots by their old paths), then resumed from it, ends where the full run does.
     fit(tmp_path / "before", data, STEPS // 2, top_k=-1)
     shutil.move(tmp_path / "before", tmp_path / "part")
-    resumed = fit(tmp_path / "part", data, STEPS, ckpt_path=str(tmp_path / "part" / "ckpt" / "last.ckpt"), top_k=-1)
+    # What a save killed before its manifest leaves (row files, no manifest, its writer's
+    # lock file unlocked), the same while its writer still writes (this process holds the
+    # lock), and a folder that is not a snapshot: the resumed run deletes only the first.
+    root = tmp_path / "part" / "ckpt" / "table_snapshots"
+    complete = next(root.iterdir())
+    killed, writing = root / "v000000099-0badf00d", root / "v000000099-0000beef"
+    for incomplete in (killed, writing):
+        shutil.copytree(complete, incomplete)
+        (incomplete / MANIFEST).unlink()
+        (incomplete / f"{WRITING}rank0").touch()
+    (root / "notes").mkdir()
+    with open(writing / f"{WRITING}rank0") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        resumed = fit(tmp_path / "part", data, STEPS, ckpt_path=str(tmp_path / "part" / "ckpt" / "last.ckpt"),
+                      top_k=-1)
+    assert not killed.exists() and writing.is_dir() and (root / "notes").is_dir()
+    shutil.rmtree(writing)
+    # Completed saves leave no lock file behind.
+    assert all((d / MANIFEST).exists() and not list(d.glob(f"{WRITING}*")) for d in root.iterdir() if d.name != "notes")
     a, b = final_rows(full), final_rows(resumed)
     # The last snapshot of the resumed run is the third incremental one over the first:
     # loaded through that chain, it holds the final rows too.

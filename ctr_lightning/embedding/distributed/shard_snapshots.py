@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from contextlib import ExitStack
 
 import torch.distributed as dist
 
@@ -23,9 +24,9 @@ from ctr_lightning.embedding.table_snapshot import (
     SnapshotRef,
     join_shards,
     mark_saved,
-    prepare_directory,
     write_manifest,
     write_shard,
+    writing,
 )
 
 
@@ -43,26 +44,30 @@ def save_shards(local: LocalTables, directory: str | os.PathLike, process_group:
     (``replicas-group<g>`` files)."""
     rank = dist.get_rank(process_group)
     part, failure = None, None
-    try:
-        part = write_shard(local, prepare_directory(directory), rank, chunk_rows, steps,
-                           changed_only=parent is not None)
-        if replicas is not None and rank == 0:
-            more = write_shard(replicas, directory, rank, chunk_rows, steps, changed_only=parent is not None,
-                               prefix="replicas")
-            part = ShardFiles(part.files + more.files, {**part.steps, **more.steps}, {**part.tables, **more.tables})
-    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
-        failure = e
-    parts = gather_objects((part, _describe(rank, failure)), process_group)
-    _raise_any(directory, failure, [error for _, error in parts])
-    shards: list[ShardFiles] = [p for p, _ in parts]
-    manifest = join_shards(shards, {t: {"kind": s.kind, "owner": s.owner} for t, s in sorted(plan.items())},
-                           parent)
-    if rank == 0:
+    # Each rank marks the directory as its own until the manifest is there, so a resumed
+    # run deletes the snapshot only once every writer is gone (table_snapshot.abandoned).
+    with ExitStack() as marked:
         try:
-            write_manifest(directory, manifest)
-        except Exception as e:  # noqa: BLE001
+            directory = marked.enter_context(writing(directory, f"rank{rank}"))
+            part = write_shard(local, directory, rank, chunk_rows, steps, changed_only=parent is not None)
+            if replicas is not None and rank == 0:
+                more = write_shard(replicas, directory, rank, chunk_rows, steps, changed_only=parent is not None,
+                                   prefix="replicas")
+                part = ShardFiles(part.files + more.files, {**part.steps, **more.steps},
+                                  {**part.tables, **more.tables})
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait forever
             failure = e
-    _raise_any(directory, failure, gather_objects(_describe(rank, failure), process_group))
+        parts = gather_objects((part, _describe(rank, failure)), process_group)
+        _raise_any(directory, failure, [error for _, error in parts])
+        shards: list[ShardFiles] = [p for p, _ in parts]
+        manifest = join_shards(shards, {t: {"kind": s.kind, "owner": s.owner} for t, s in sorted(plan.items())},
+                               parent)
+        if rank == 0:
+            try:
+                write_manifest(directory, manifest)
+            except Exception as e:  # noqa: BLE001
+                failure = e
+        _raise_any(directory, failure, gather_objects(_describe(rank, failure), process_group))
     mark_saved(local)
     if replicas is not None:
         mark_saved(replicas)  # every rank's: they are equal, rank 0's are saved
