@@ -51,9 +51,9 @@ class TableSnapshots(Callback):
     any more (top-k rotation) are deleted, except the one of the current rows; complete
     snapshots of earlier runs are never touched. When fit starts (a resume, typically),
     the abandoned ones under ``root`` are deleted: saves killed or failed before their
-    manifest whose every writing process is gone (each holds a lock while it writes), which
-    nothing can load and whose hard links would keep retired SSD segments on disk. A
-    checkpoint saved by hand elsewhere
+    manifest that no process writes any more (each writing rank holds a lock meanwhile),
+    which nothing can load and whose hard links would keep retired SSD segments on disk.
+    A checkpoint saved by hand elsewhere
     (``trainer.save_checkpoint("x.ckpt")``) does not protect its snapshot: save it into a
     ModelCheckpoint directory. A run directory moved elsewhere resumes: snapshots are found
     by name beside the checkpoint resumed from, and a chain's parents beside their child.
@@ -109,9 +109,11 @@ class TableSnapshots(Callback):
             self._delete_abandoned()
 
     def _delete_abandoned(self) -> None:
-        if not self.root.is_dir():
+        # Rank 0 alone: a clean-up that cannot read the root must not stop it.
+        try:
+            incomplete = [d for d in self.root.iterdir() if SNAPSHOT_NAME.fullmatch(d.name) and abandoned(d)]
+        except OSError:
             return
-        incomplete = [d for d in self.root.iterdir() if SNAPSHOT_NAME.fullmatch(d.name) and abandoned(d)]
         for directory in incomplete:
             shutil.rmtree(directory, ignore_errors=True)
         if incomplete:

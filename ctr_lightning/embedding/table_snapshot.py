@@ -201,7 +201,10 @@ def writing(directory: str | os.PathLike, writer: str) -> Iterator[Path]:
     directory for what a killed or failed save left."""
     directory = prepare_directory(directory)
     lock = directory / f"{WRITING}{writer}"
-    fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o644)
+    # Locked under another name first, then renamed (the lock goes with the file): a
+    # ``.writing-`` file is never seen unlocked while its writer lives.
+    staging = directory / f".locking-{writer}-{uuid.uuid4().hex[:8]}"
+    fd = os.open(staging, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -210,36 +213,35 @@ def writing(directory: str | os.PathLike, writer: str) -> Iterator[Path]:
                 raise
             # A file system without locks (some parallel ones): the file stays unlocked
             # while this save runs, and abandoned() cannot tell, so it keeps the directory.
+        os.rename(staging, lock)
         yield directory
-        lock.unlink()
+        try:
+            lock.unlink()
+        except OSError:
+            pass  # a lock file beside a manifest is harmless; failing here would fail this rank alone
     finally:
         os.close(fd)
 
 
 def abandoned(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` is a snapshot no process will complete: no manifest, and every
-    writer that marked it (:func:`writing`) is gone. Unmarked directories are not known to
-    be abandoned (a writer may not have marked it yet)."""
+    writer that marked it (:func:`writing`) no longer writes. Unmarked directories, and any
+    that cannot be checked (no locks on the file system, no permission...), are not known
+    to be abandoned."""
     directory = Path(directory)
-    locks = list(directory.glob(f"{WRITING}*"))
-    if not locks or (directory / MANIFEST).exists():
+    try:
+        locks = list(directory.glob(f"{WRITING}*"))
+        if not locks or (directory / MANIFEST).exists():
+            return False
+        for lock in locks:
+            fd = os.open(lock, os.O_RDWR)  # gone meanwhile (its writer completed): FileNotFoundError
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a writer holds it: BlockingIOError
+            finally:
+                os.close(fd)
+        return not (directory / MANIFEST).exists()
+    except OSError:
         return False
-    for lock in locks:
-        try:
-            fd = os.open(lock, os.O_RDWR)
-        except FileNotFoundError:
-            return False  # its writer completed meanwhile
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False  # its writer is alive
-        except OSError as e:
-            if e.errno in _NO_LOCKS:
-                return False  # no locks on this file system: whether a writer lives is unknown
-            raise
-        finally:
-            os.close(fd)
-    return not (directory / MANIFEST).exists()
 
 
 def write_shard(engine, directory: str | os.PathLike, rank: int = 0, chunk_rows: int = 1 << 16,

@@ -297,3 +297,30 @@ def test_snapshots_across_file_systems_copy_the_rows(tmp_path):
             del other
     finally:
         shutil.rmtree(elsewhere)
+
+
+def test_a_snapshot_is_abandoned_only_once_no_writer_holds_it(tmp_path):
+    import subprocess
+    import sys
+
+    from ctr_lightning.embedding.table_snapshot import MANIFEST, abandoned, writing
+
+    live, failed, done = tmp_path / "v000000001-00000001", tmp_path / "v000000001-00000002", tmp_path / "done"
+    with writing(live, "rank0"), writing(live, "rank1"):
+        # Another process sees the writers' locks, as a resumed run's rank 0 would.
+        check = [sys.executable, "-c", "import sys; from ctr_lightning.embedding.table_snapshot import abandoned; "
+                 "print(abandoned(sys.argv[1]))", str(live)]
+        assert subprocess.run(check, capture_output=True, text=True, check=True).stdout.strip() == "False"
+        assert not abandoned(live)
+    with pytest.raises(OSError):
+        with writing(failed, "rank0"):
+            raise OSError("disk full")
+    assert abandoned(failed)  # what a failed (or killed) save leaves: its lock file, unlocked
+    (failed / MANIFEST).write_text("{}")
+    assert not abandoned(failed)  # complete
+    with writing(done, "rank0"):
+        pass
+    assert not abandoned(done) and os.listdir(done) == []  # a completed block leaves no lock file
+    assert not abandoned(tmp_path / "unmarked") and not abandoned(tmp_path / "missing")
+    (tmp_path / "unmarked").mkdir()
+    assert not abandoned(tmp_path / "unmarked")
