@@ -1,7 +1,7 @@
 """Streaming ad-log DataModules (installed as ``ctr_lightning.datamodules``)."""
 
 from ctr_lightning.datamodules.avazu import AvazuDataModule, AvazuFormat
-from ctr_lightning.datamodules.bad_lines import BadLineError
+from ctr_lightning.datamodules.bad_lines import BadLineError, UnreadableFileError
 from ctr_lightning.datamodules.criteo import CriteoDataModule, CriteoFormat
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
 from ctr_lightning.datamodules.parquet import ParquetDataModule, ParquetFormat
@@ -26,5 +26,6 @@ __all__ = [
     "SyntheticCriteoDataModule",
     "SyntheticCriteoSpec",
     "SyntheticStreamDataModule",
+    "UnreadableFileError",
     "write_synthetic_criteo",
 ]

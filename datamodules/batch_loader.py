@@ -54,6 +54,9 @@ class BatchDataLoader(DataLoader):
         self.shard_log: list[int] = []  # the shard of every batch handed out, in order
         self.held_back = (0, 0)  # (batches, examples) of the last pass not handed out to keep ranks even
         self.bad_line_counts: Counter[str] = Counter()  # lines skipped this pass, per file, all workers
+        # Files cut short this pass (bad_files="skip") -> their first record not read (1-based):
+        # the breaks their indexes found, and those the workers met.
+        self.unreadable_files: dict[str, int] = {}
         self._ones = _Ones()
 
     def _batches(self) -> Iterator[tuple[int, Batch]]:
@@ -64,6 +67,8 @@ class BatchDataLoader(DataLoader):
         for raw in super().__iter__():
             raw = RawBatch(*raw)
             self.bad_line_counts.update(dict(raw.bad_lines))
+            for path, record in raw.unreadable:
+                self.unreadable_files[path] = min(record, self.unreadable_files.get(path, record))
             for batch in raw.to_batches(keys, self._ones):
                 yield raw.shard, batch
 
@@ -71,6 +76,7 @@ class BatchDataLoader(DataLoader):
         self.shard_log = []
         self.held_back = (0, 0)
         self.bad_line_counts = Counter()
+        self.unreadable_files = {f.path: f.records + 1 for f in self.dataset.files if f.unreadable is not None}
         if self.epoch_of is not None:
             self.dataset.epoch = self.epoch_of()  # before the workers start, with a copy of the dataset
         self.padded = 0

@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from ctr_lightning.datamodules.bad_lines import BadLinePolicy
+from ctr_lightning.datamodules.bad_lines import BadFilePolicy, BadLinePolicy
 from ctr_lightning.datamodules.row_index import FileIndex, default_index_dir
 from ctr_lightning.datamodules.sources import expand_paths, time_slices
 from ctr_lightning.datamodules.batch_loader import BatchDataLoader
@@ -32,6 +32,11 @@ class LogDataModule(pl.LightningDataModule):
         batch_size: examples per batch.
         num_workers: DataLoader worker processes per rank.
         bad_lines: ``"skip"`` (count and log) or ``"raise"`` (stop with file:line).
+        bad_files: a file that cannot be read to its end (a truncated or corrupt compressed
+            stream, a damaged Parquet page, an I/O error): ``"fail"`` (default) stops the
+            run naming the file and the first record that could not be read; ``"skip"``
+            uses the records before the break, logs the file and counts it in
+            ``unreadable_files``.
         online: time-ordered training: ``train_paths`` are successive time slices (one
             file per day in name order, or Hive-style partitions such as
             ``logs/dt=2026-12-01/part-*.parquet``, one partition a day, in date order);
@@ -64,6 +69,7 @@ class LogDataModule(pl.LightningDataModule):
         batch_size: int = 4096,
         num_workers: int = 0,
         bad_lines: BadLinePolicy = "skip",
+        bad_files: BadFilePolicy = "fail",
         online: bool = False,
         max_bad_fraction: float | None = 0.001,
         shuffle_shards: bool = False,
@@ -79,6 +85,8 @@ class LogDataModule(pl.LightningDataModule):
             raise ValueError(f"num_workers must be >= 0, got {num_workers}")
         if bad_lines not in ("skip", "raise"):
             raise ValueError(f"bad_lines must be 'skip' or 'raise', got {bad_lines!r}")
+        if bad_files not in ("fail", "skip"):
+            raise ValueError(f"bad_files must be 'fail' or 'skip', got {bad_files!r}")
         if max_bad_fraction is not None and not 0.0 <= max_bad_fraction <= 1.0:
             raise ValueError(f"max_bad_fraction must be in [0, 1] or None, got {max_bad_fraction}")
         # The subclass's own arguments describe the format; an object in the hyper-parameters
@@ -89,6 +97,7 @@ class LogDataModule(pl.LightningDataModule):
         self.batch_size = batch_size
         self.num_workers = num_workers
         self.bad_lines = bad_lines
+        self.bad_files = bad_files
         self.online = online
         self.max_bad_fraction = max_bad_fraction
         self.shuffle_shards, self.shuffle_seed = shuffle_shards, shuffle_seed
@@ -101,6 +110,10 @@ class LogDataModule(pl.LightningDataModule):
         self._resume: dict[str, Any] | None = None  # a checkpoint's position, until used
         # (epoch, batches trained before, batches per shard skipped) of a resumed pass
         self._resumed: tuple[int, int, dict[int, int]] | None = None
+        # The epoch the data is in, at least: a checkpoint taken once its epoch had trained
+        # resumes into the next one, while Lightning still reports the old epoch when it
+        # builds (and starts reading) the loader.
+        self._epoch_floor = 0
 
     @property
     def sparse_feature_names(self) -> list[str]:
@@ -152,7 +165,7 @@ class LogDataModule(pl.LightningDataModule):
     def online_files(self, split: str) -> list[str]:
         """This epoch's slice: day k for training, day k + 1 for validation."""
         days = time_slices(self.files["train"])
-        epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        epoch = self._current_epoch()
         day = epoch + (1 if split == "val" else 0)
         if day >= len(days):
             raise ValueError(f"online mode: epoch {epoch} needs time slice {day}, but train_paths has "
@@ -177,7 +190,7 @@ class LogDataModule(pl.LightningDataModule):
         dataset = LogStreamDataset(
             files, self.format, batch_size=self.batch_size, rank=rank, world_size=world, bad_lines=self.bad_lines,
             skip_batches=skip, epoch=self._current_epoch(), max_bad_fraction=self.max_bad_fraction,
-            files=[self._indexes[f] for f in files],
+            files=[self._indexes[f] for f in files], bad_files=self.bad_files,
             seed=self.shuffle_seed, rotate=self.shuffle_shards and split == "train", numbered=split == "predict",
         )
         # Every split takes equal steps on all ranks: a sharded embedding collection runs
@@ -190,12 +203,18 @@ class LogDataModule(pl.LightningDataModule):
         return loader
 
     def _current_epoch(self) -> int:
-        return self.trainer.current_epoch if self.trainer is not None else 0
+        return max(self.trainer.current_epoch if self.trainer is not None else 0, self._epoch_floor)
 
     @property
     def bad_line_counts(self) -> dict[str, int]:
         """Lines skipped so far in this pass over the training data, per file (all workers)."""
         return dict(self._train_loader.bad_line_counts) if self._train_loader is not None else {}
+
+    @property
+    def unreadable_files(self) -> dict[str, int]:
+        """Training files of this pass cut short under ``bad_files="skip"``, each with the
+        first record (1-based) that could not be read."""
+        return dict(self._train_loader.unreadable_files) if self._train_loader is not None else {}
 
     # -- exact resume ------------------------------------------------------------------
 
@@ -226,6 +245,7 @@ class LogDataModule(pl.LightningDataModule):
                     shard_batches[k] = max(shard_batches.get(k, 0), v)
         return {
             "epoch": trainer.current_epoch,
+            "epoch_done": _epoch_trained(trainer),
             "files": self.epoch_files.get("train", []),
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,
@@ -243,6 +263,12 @@ class LogDataModule(pl.LightningDataModule):
         if not state:
             return None
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        if state.get("epoch_done") or (state.get("epoch_done") is None and self.trainer is not None
+                                       and _epoch_trained(self.trainer)):
+            # Saved once its epoch had trained (epoch end, validation after the last batch,
+            # or older checkpoints whose loop says so): the next pass is a whole new epoch.
+            self._epoch_floor = state["epoch"] + 1
+            return None
         if state["epoch"] != epoch:
             return None  # the checkpoint closed its epoch; this one starts fresh
         layout = (state["files"], state["world_size"], state["num_workers"], state["batch_size"],
@@ -266,3 +292,14 @@ class LogDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> BatchDataLoader:
         return self._dataloader("predict")
+
+
+def _epoch_trained(trainer: pl.Trainer) -> bool:
+    """Whether the Trainer's current epoch has trained every batch it will: a checkpoint
+    taken now resumes into the next epoch (Lightning's own loops decide the same way)."""
+    loop = trainer.fit_loop
+    if loop.epoch_progress.current.processed > trainer.current_epoch:
+        return True  # on_train_epoch_end
+    batches = loop.epoch_loop.batch_progress
+    return batches.current.processed == batches.current.ready and (
+        batches.is_last_batch or batches.current.ready >= trainer.num_training_batches)

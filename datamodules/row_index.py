@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 _READ = 1 << 20
 _HEAD = 1024  # bytes kept from the top of each file
-_VERSION = 2
+_VERSION = 3  # 3: FileIndex.unreadable
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,9 @@ class FileIndex:
     ``marks[i]`` is the byte offset where record ``i * MARK_EVERY`` starts, for plain
     (uncompressed) text; compressed files are read from their start, Parquet files by
     row group (``groups``: rows per row group).
+    ``unreadable`` says why a text file cannot be read to its end (a truncated or
+    corrupt compressed stream, an I/O error; None: it can): ``records`` then counts the
+    whole records before the break, and the readers' ``bad_files`` policy decides.
 
     Example::
 
@@ -55,6 +58,7 @@ class FileIndex:
     marks: tuple[int, ...] = ()
     groups: tuple[int, ...] = ()
     head: bytes = b""  # the file's first bytes (decompressed), to check a header or tell formats apart
+    unreadable: str | None = None  # "EOFError: Compressed file ended ..." where reading broke off
 
 
 def build_file_index(path: str, header_lines: int = 0, columnar: bool = False) -> FileIndex:
@@ -74,14 +78,17 @@ def build_file_index(path: str, header_lines: int = 0, columnar: bool = False) -
     # In the reader's own pieces: a stream that breaks off then ends at the same byte.
     with SmallReads(fsspec.open(path, "rb", compression="infer").open()) as f:
         records, marks, head = _count_lines(f, header_lines, keep_marks=not compressed)
-    return FileIndex(path, records, "compressed" if compressed else "text", header_lines, tuple(marks), head=head)
+        unreadable = f"{type(f.error).__name__}: {f.error}" if f.error is not None else None
+    return FileIndex(path, records, "compressed" if compressed else "text", header_lines, tuple(marks), head=head,
+                     unreadable=unreadable)
 
 
 def _count_lines(f, header_lines: int, keep_marks: bool) -> tuple[int, list[int], bytes]:
     """Records after ``header_lines`` lines, the byte offset of every MARK_EVERY-th, and the head.
 
-    A last line without its newline is a record; a stream that breaks off (a truncated
-    gzip file) ends the count where it breaks, as the reader's blocks will.
+    A last line without its newline is a record, unless the stream broke off there (a
+    truncated gzip file): the count then ends at the last whole line before the break,
+    as the reader's blocks do, so the break is known here, before any reader starts.
     """
     lines = 0  # newlines seen so far: line n starts right after the n-th newline
     position = 0  # bytes read so far
@@ -102,7 +109,8 @@ def _count_lines(f, header_lines: int, keep_marks: bool) -> tuple[int, list[int]
         lines += len(ends)
         position += len(data)
         last = data[-1:]
-    records = max(lines + (1 if last != b"\n" else 0) - header_lines, 0)
+    unterminated = last != b"\n" and getattr(f, "error", None) is None  # a whole last line, not one cut off
+    records = max(lines + unterminated - header_lines, 0)
     # An offset at the very end of the file (after the last newline) starts no record.
     return records, [m for m in marks if m < position], head
 

@@ -12,7 +12,8 @@ import numpy as np
 import pyarrow as pa
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ctr_lightning.datamodules.bad_lines import MAX_EXAMPLES, BadLineError, BadLineLog, BadLinePolicy
+from ctr_lightning.datamodules.bad_lines import (MAX_EXAMPLES, BadFilePolicy, BadLineError, BadLineLog, BadLinePolicy,
+                                                 UnreadableFileError, unreadable_reason)
 from ctr_lightning.datamodules.format_hints import format_hint
 from ctr_lightning.datamodules.log_format import DecodedRows, LogFormat
 from ctr_lightning.datamodules.row_index import FileIndex, index_files
@@ -37,6 +38,11 @@ class LogStreamDataset(IterableDataset):
         batch_size: examples per batch.
         rank, world_size: this rank's place among the ranks that share the files.
         bad_lines: ``"skip"`` (count and log) or ``"raise"`` (stop with file:line).
+        bad_files: a file that cannot be read to its end: ``"fail"`` raises
+            :class:`UnreadableFileError` naming it and the first record not read (here, if
+            its index already found the break, else from the reader); ``"skip"`` reads the
+            records before the break and logs the file, counted as one unreadable file
+            (``BatchDataLoader.unreadable_files``), not as bad lines.
         max_bad_fraction: a file slice whose bad lines exceed this share of its lines (and
             10 lines) stops the run, naming the file (None: no limit).
         files: the files' indexes, when the caller has them (else they are counted here).
@@ -69,12 +75,15 @@ class LogStreamDataset(IterableDataset):
         seed: int = 0,
         rotate: bool = False,
         numbered: bool = False,
+        bad_files: BadFilePolicy = "fail",
     ) -> None:
         super().__init__()
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if bad_lines not in ("skip", "raise"):
             raise ValueError(f"bad_lines must be 'skip' or 'raise', got {bad_lines!r}")
+        if bad_files not in ("fail", "skip"):
+            raise ValueError(f"bad_files must be 'fail' or 'skip', got {bad_files!r}")
         if max_bad_fraction is not None and not 0.0 <= max_bad_fraction <= 1.0:
             raise ValueError(f"max_bad_fraction must be in [0, 1] or None, got {max_bad_fraction}")
         self.paths = list(paths)
@@ -83,6 +92,8 @@ class LogStreamDataset(IterableDataset):
         self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
         self.bad_lines = bad_lines
+        self.bad_files = bad_files
+        self._check_readable()
         self.max_bad_fraction = max_bad_fraction
         self.drop_last = drop_last
         self.epoch, self.seed, self.rotate = epoch, seed, rotate
@@ -99,6 +110,18 @@ class LogStreamDataset(IterableDataset):
         # in the epoch the restart happened in (``epoch`` as given here) only.
         self.skip_batches = dict(skip_batches or {})
         self.skip_epoch = epoch
+
+    def _check_readable(self) -> None:
+        """Files whose index found a break: the run stops here, in the main process, before
+        any reader starts; or, with ``bad_files="skip"``, the file is logged once. (Their
+        slices end at the last whole record, so no reader meets the break itself.)"""
+        for index in self.files:
+            if index.unreadable is None:
+                continue
+            if self.bad_files == "fail":
+                raise UnreadableFileError(index.path, index.records + 1, index.unreadable)
+            log.error("%s: %s; bad_files='skip': its first %d records are read, the rest of the file is skipped",
+                      index.path, unreadable_reason(index.records + 1, index.unreadable), index.records)
 
     def expected_batches(self, largest_share: bool = False) -> int:
         """Batches every rank yields in a pass, from the files' record counts (fewer if lines
@@ -141,13 +164,13 @@ class LogStreamDataset(IterableDataset):
                     cut(self.batch_size)
                     buffered -= self.batch_size
                     if len(ready) == self.batches_per_message:
-                        yield RawBatch.pack(ready, shard, bad.unshipped())
+                        yield RawBatch.pack(ready, shard, bad.unshipped(), bad.unshipped_unreadable())
                         ready = []
         if buffered and not self.drop_last:
             cut(buffered)
-        counts = bad.unshipped()
-        if ready or counts:  # the last counts travel even without a batch
-            yield RawBatch.pack(ready, shard, counts)
+        counts, broken = bad.unshipped(), bad.unshipped_unreadable()
+        if ready or counts or broken:  # the last counts travel even without a batch
+            yield RawBatch.pack(ready, shard, counts, broken)
         bad.summarise(f"reader rank={self.rank} shard={shard}/{num_shards} pid={os.getpid()}")
 
     def _read_slice(self, fslice: FileSlice, bad: BadLineLog) -> Iterator[DecodedRows]:
@@ -206,12 +229,15 @@ class LogStreamDataset(IterableDataset):
             # yields no batch).
             reject_wrong_width(range(seen_invalid, len(invalid)))
         except (EOFError, OSError, zlib.error, pa.ArrowException) as e:
-            # A truncated or corrupt file: what was read stands; the rest is named, not lost silently.
-            reason = f"unreadable after its first {accepted_before} rows ({type(e).__name__}: {e})"
-            if self.bad_lines == "raise":
-                raise BadLineError(fslice.path, None, reason) from e
-            log.error("%s: %s", fslice.path, reason)
-            bad.record(fslice.path, None, reason)
+            # A break the index did not see (a damaged Parquet page, an I/O error): the
+            # records before it were read; the first one after is named.
+            record = fslice.first + accepted_before + len(invalid) + 1
+            error = f"{type(e).__name__}: {e}"
+            if self.bad_files == "fail":
+                raise UnreadableFileError(fslice.path, record, error) from e
+            log.error("%s: %s; bad_files='skip': the rest of the file is skipped", fslice.path,
+                      unreadable_reason(record, error))
+            bad.record_unreadable(fslice.path, record)
             readable = False
         self._check_bad_share(fslice, len(skipped), accepted_before + len(invalid), skipped, final=True)
         for kind, nth, reason in skipped:
@@ -264,7 +290,8 @@ class LogStreamDataset(IterableDataset):
         total = sum(f.records for f in self.files)
         paths = [f.path for f in self.files]
         if total == 0:
-            return f"the files hold no record: {paths}"
+            unreadable = [f.path for f in self.files if f.unreadable is not None]
+            return f"the files hold no record: {paths}" + (f" (unreadable: {unreadable})" if unreadable else "")
         mine = sum(b - a for a, b in rank_intervals(total, self.rank, self.world_size, self.epoch, self.seed,
                                                      self.rotate))
         if mine == 0:

@@ -23,7 +23,7 @@ class SyntheticCriteoDataModule(CriteoDataModule):
         seed: the planted world.
         max_cardinality: cap on the Criteo Kaggle cardinalities.
         zipf_exponent: skew of value frequencies.
-        batch_size, num_workers, bad_lines, block_size: as :class:`CriteoDataModule`.
+        batch_size, num_workers, bad_lines, bad_files, block_size: as :class:`CriteoDataModule`.
 
     Example::
 
@@ -42,6 +42,7 @@ class SyntheticCriteoDataModule(CriteoDataModule):
         batch_size: int = 4096,
         num_workers: int = 0,
         bad_lines: str = "skip",
+        bad_files: str = "fail",
         block_size: int = 1 << 19,
     ) -> None:
         if train_rows < 1 or val_rows < 0:
@@ -59,6 +60,7 @@ class SyntheticCriteoDataModule(CriteoDataModule):
             batch_size=batch_size,
             num_workers=num_workers,
             bad_lines=bad_lines,
+            bad_files=bad_files,
             block_size=block_size,
         )
         self.save_hyperparameters()

@@ -34,11 +34,15 @@ class RawBatch(NamedTuple):
     num_jagged: int = 0
     bad_lines: tuple[tuple[str, int], ...] = ()  # lines skipped since the shard's last message
     columns: tuple[str, ...] = ()  # the optional int64 columns present: "groups", "records"
+    # Files cut short since the shard's last message (bad_files="skip"), each with its first record not read.
+    unreadable: tuple[tuple[str, int], ...] = ()
 
     @staticmethod
-    def pack(batches: list[DecodedRows], shard: int, bad_lines: tuple[tuple[str, int], ...] = ()) -> RawBatch:
+    def pack(batches: list[DecodedRows], shard: int, bad_lines: tuple[tuple[str, int], ...] = (),
+             unreadable: tuple[tuple[str, int], ...] = ()) -> RawBatch:
         if not batches:
-            return RawBatch(torch.empty(0, dtype=torch.uint8), (), 0, 0, shard, (), 0, bad_lines)
+            return RawBatch(torch.empty(0, dtype=torch.uint8), (), 0, 0, shard, (), 0, bad_lines,
+                            unreadable=unreadable)
         f, d, j = batches[0].ids.shape[1], batches[0].dense.shape[1], len(batches[0].jagged)
         columns = tuple(c for c in OPTIONAL_COLUMNS if getattr(batches[0], c) is not None)
         sizes = [_padded(8 * (f * len(b) + sum(len(x.values) for x in b.jagged)) + 4 * (j + d + 1) * len(b))
@@ -59,7 +63,7 @@ class RawBatch(NamedTuple):
                 buffer[region.column(c)].view(np.int64)[:] = getattr(b, name)
             start += size
         return RawBatch(torch.from_numpy(buffer), tuple(len(b) for b in batches), d, f, shard,
-                        tuple(sum(len(x.values) for x in b.jagged) for b in batches), j, bad_lines, columns)
+                        tuple(sum(len(x.values) for x in b.jagged) for b in batches), j, bad_lines, columns, unreadable)
 
     def to_batches(self, keys: list[str], ones: _Ones) -> Iterator[Batch]:
         d, f, j = self.num_dense, self.num_sparse, self.num_jagged

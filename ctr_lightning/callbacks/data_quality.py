@@ -10,10 +10,12 @@ from typing_extensions import override
 
 
 class BadLineMonitor(Callback):
-    """Logs ``data/bad_lines``: lines skipped so far in the epoch's training data.
+    """Logs ``data/bad_lines``: lines skipped so far in the epoch's training data, and
+    ``data/unreadable_files``: files of the epoch cut short under ``bad_files="skip"``.
 
     Works with any DataModule that has a ``bad_line_counts`` mapping (file -> count),
-    as ctr-lightning's log DataModules do.
+    and ``unreadable_files`` (file -> first record not read) where it has one, as
+    ctr-lightning's log DataModules do.
 
     Example::
 
@@ -27,4 +29,8 @@ class BadLineMonitor(Callback):
         counts = getattr(trainer.datamodule, "bad_line_counts", None)
         if counts is not None:
             pl_module.log("data/bad_lines", float(sum(counts.values())), on_step=True, on_epoch=False,
+                          batch_size=1)
+        unreadable = getattr(trainer.datamodule, "unreadable_files", None)
+        if unreadable is not None:
+            pl_module.log("data/unreadable_files", float(len(unreadable)), on_step=True, on_epoch=False,
                           batch_size=1)

@@ -1,9 +1,12 @@
+import re
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from ctr_lightning.datamodules import BadLineError, ParquetDataModule, ParquetFormat
+from ctr_lightning.datamodules.bad_lines import UnreadableFileError
 from ctr_lightning.datamodules.batch_loader import BatchDataLoader
 from ctr_lightning.datamodules.stream_dataset import LogStreamDataset
 
@@ -90,3 +93,37 @@ def test_datamodule_and_bad_rows(tmp_path):
     wrong.setup("fit")
     with pytest.raises(BadLineError, match=r"missing label column 'clicked'; it has .*only predict_paths may be unlabeled"):
         list(wrong.train_dataloader())
+
+
+def _damage_row_group(path, group):
+    """Zeroes bytes in the middle of a column chunk of ``group``: the footer stays intact
+    (the file's index counts all its rows), so the damage shows only when that group is read."""
+    chunk = pq.ParquetFile(path).metadata.row_group(group).column(0)
+    start = min(o for o in (chunk.dictionary_page_offset, chunk.data_page_offset) if o is not None)
+    data = bytearray(path.read_bytes())
+    middle = start + chunk.total_compressed_size // 2
+    data[middle - 16:middle + 16] = bytes(32)
+    path.write_bytes(bytes(data))
+    damaged = pq.ParquetFile(path)
+    for g in range(damaged.num_row_groups):
+        if g != group:
+            damaged.read_row_group(g)
+    with pytest.raises(OSError):
+        damaged.read_row_group(group)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_damaged_row_group_fails_from_the_reader_or_is_skipped(tmp_path, num_workers):
+    rows = make_rows(300, 3)
+    path = tmp_path / "logs.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=100, compression="zstd")
+    _damage_row_group(path, group=2)
+    # The break is met by a reader (in a worker process, with workers) and reaches this process.
+    failing = LogStreamDataset([str(path)], ParquetFormat(**SCHEMA), batch_size=50)
+    with pytest.raises(UnreadableFileError, match=rf"{re.escape(str(path))}: unreadable from record 201 on "
+                                                  r"\(OSError: .*\); bad_files='skip' would use its first 200"):
+        list(BatchDataLoader(failing, num_workers=num_workers))
+    skipping = LogStreamDataset([str(path)], ParquetFormat(**SCHEMA), batch_size=50, bad_files="skip")
+    loader = BatchDataLoader(skipping, num_workers=num_workers)
+    assert got_rows(loader) == [expected(r) for r in rows[:200]]
+    assert loader.unreadable_files == {str(path): 201} and dict(loader.bad_line_counts) == {}

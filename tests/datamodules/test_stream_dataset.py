@@ -6,9 +6,12 @@ import shutil
 import pytest
 import torch
 
-from ctr_lightning.datamodules import BadLineError
+from ctr_lightning.datamodules import (AvazuDataModule, BadLineError, CriteoDataModule, ParquetDataModule,
+                                       SyntheticCriteoDataModule)
+from ctr_lightning.datamodules.bad_lines import UnreadableFileError
 from ctr_lightning.datamodules.criteo import CriteoFormat
 from ctr_lightning.datamodules.batch_loader import BatchDataLoader
+from ctr_lightning.datamodules.row_index import build_file_index
 from ctr_lightning.datamodules.stream_dataset import LogStreamDataset
 
 from .test_criteo import reference_rows
@@ -122,22 +125,60 @@ def test_random_corruptions_never_crash_and_are_all_counted(criteo_sample, tmp_p
     assert sorted(got) == sorted(reference_tuples(clean))
 
 
-def test_empty_truncated_and_url_paths(criteo_sample, tmp_path, caplog):
-    data = (criteo_sample.head).read_bytes()
+def _truncated_gzip(source, path):
+    """``source`` gzipped, then cut in the middle of the compressed stream."""
+    packed = gzip.compress(source.read_bytes())
+    path.write_bytes(packed[: len(packed) // 2])
+    return path
+
+
+def test_a_truncated_gzip_file_fails_naming_the_file_and_the_record(criteo_sample, tmp_path):
+    truncated = _truncated_gzip(criteo_sample.head, tmp_path / "b_truncated.tsv.gz")
     (tmp_path / "a_empty.tsv").write_bytes(b"")
-    packed = gzip.compress(data)
-    (tmp_path / "b_truncated.tsv.gz").write_bytes(packed[: len(packed) // 2])
-    files = [f"file://{tmp_path / 'a_empty.tsv'}", str(tmp_path / "b_truncated.tsv.gz")]
-    ds = LogStreamDataset(files, CriteoFormat(block_size=1 << 14), batch_size=100, bad_lines="skip")
+    files = [f"file://{tmp_path / 'a_empty.tsv'}", str(truncated)]
+    message = (rf"^{re.escape(str(truncated))}: unreadable from record \d+ on \(EOFError: .*\); "
+               r"bad_files='skip' would use its first \d+ records")
+    with pytest.raises(UnreadableFileError, match=message):
+        list(BatchDataLoader(LogStreamDataset(files, CriteoFormat(block_size=1 << 14), batch_size=100)))
+    # Whatever the bad-line policy: a file cut short is not a bad line.
+    with pytest.raises(UnreadableFileError) as error:
+        list(BatchDataLoader(LogStreamDataset(files, CriteoFormat(), batch_size=100, bad_lines="raise")))
+    assert isinstance(error.value, BadLineError)
+    assert 1 < error.value.record < 1999
+    index = build_file_index(str(truncated))
+    assert index.unreadable.startswith("EOFError") and index.records == error.value.record - 1
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_bad_files_skip_reads_exactly_the_intact_prefix_and_counts_the_file(criteo_sample, tmp_path, caplog,
+                                                                              num_workers):
+    truncated = _truncated_gzip(criteo_sample.head, tmp_path / "b_truncated.tsv.gz")
+    (tmp_path / "a_empty.tsv").write_bytes(b"")
+    files = [f"file://{tmp_path / 'a_empty.tsv'}", str(truncated)]
+    with pytest.raises(UnreadableFileError) as error:
+        LogStreamDataset(files, CriteoFormat(), batch_size=100)
+    intact = error.value.record - 1  # records before the break, as the failing run named it
     with caplog.at_level("ERROR"):
-        got = rows_of(BatchDataLoader(ds))
-    assert 0 < len(got) < 1999  # the readable head arrives; the rest is reported
-    # The truncation is recorded once (the line it cut off is part of it).
-    assert ds.bad_line_log.counts == {str(tmp_path / "b_truncated.tsv.gz"): 1}
-    assert "b_truncated.tsv.gz: unreadable after its first" in caplog.text
-    strict = LogStreamDataset(files, CriteoFormat(), batch_size=100, bad_lines="raise")
-    with pytest.raises(BadLineError, match=r"b_truncated.tsv.gz: unreadable after its first \d+ rows \(EOFError"):
-        rows_of(BatchDataLoader(strict))
+        ds = LogStreamDataset(files, CriteoFormat(block_size=1 << 14), batch_size=100, bad_files="skip")
+        loader = BatchDataLoader(ds, num_workers=num_workers)
+        got = rows_of(loader)
+    prefix = tmp_path / "prefix.tsv"
+    prefix.write_text("".join(criteo_sample.head.read_text().splitlines(keepends=True)[:intact]))
+    assert got == reference_tuples(prefix)
+    # Counted once, as a file cut short (with where), not as a bad line; and logged with both.
+    assert loader.unreadable_files == {str(truncated): intact + 1}
+    assert dict(loader.bad_line_counts) == {}
+    assert f"{truncated}: unreadable from record {intact + 1} on (EOFError" in caplog.text
+    assert f"its first {intact} records are read" in caplog.text
+
+
+def test_bad_files_is_checked_by_every_datamodule(tmp_path):
+    for make in (lambda **kw: LogStreamDataset([], CriteoFormat(), batch_size=1, **kw), CriteoDataModule,
+                 AvazuDataModule, lambda **kw: ParquetDataModule(categorical_columns=["ad"], **kw),
+                 lambda **kw: SyntheticCriteoDataModule(data_dir=str(tmp_path), **kw)):
+        with pytest.raises(ValueError, match="bad_files must be 'fail' or 'skip', got 'ignore'"):
+            make(bad_files="ignore")
+        make(bad_files="skip")
 
 
 @pytest.mark.parametrize("compressed", [False, True])

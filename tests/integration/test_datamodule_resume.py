@@ -138,3 +138,48 @@ def test_rotating_shards_resume_exactly_on_two_ranks(tmp_path, run_ranks):
     for epoch in (0, 1):  # the ranks split each epoch's rows between them
         assert len(everything[0][epoch] | everything[1][epoch]) == 1200
     assert everything[0][0] != everything[0][1]  # rank 0 read other pieces in epoch 1
+
+
+@pytest.mark.parametrize("save_on_train_epoch_end", [True, False])
+def test_an_epoch_end_checkpoint_resumes_into_the_next_epoch(tmp_path, save_on_train_epoch_end):
+    # Saved at the end of the epoch (on_train_epoch_end), or by validation after its last
+    # batch: either way epoch 1 reads every row, in epoch 1's pieces, as an unbroken run does.
+    write_synthetic_criteo(tmp_path / "day_0.tsv", rows=1500, seed=0)
+    write_synthetic_criteo(tmp_path / "val.tsv", rows=200, seed=1)
+    datamodule = lambda: CriteoDataModule(train_paths=str(tmp_path / "day_0.tsv"), val_paths=str(tmp_path / "val.tsv"),
+                                          batch_size=100, shuffle_shards=True, shuffle_seed=3)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_on_train_epoch_end=save_on_train_epoch_end)
+    first = SeenPerEpoch()
+    trainer(tmp_path, [first, ckpt], max_epochs=1).fit(model(), datamodule=datamodule())
+    assert first.counts == {0: 1500}
+
+    # max_epochs reached already: Lightning ends at once, with no error and no step.
+    again = SeenPerEpoch()
+    done = trainer(tmp_path, [again], max_epochs=1)
+    done.fit(model(), datamodule=datamodule(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert again.counts == {} and done.global_step == 15
+
+    resumed, unbroken = SeenExamples(), SeenExamples()
+    t = trainer(tmp_path, [resumed], max_epochs=2)
+    t.fit(model(), datamodule=datamodule(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert t.global_step == 30 and t.current_epoch == 2
+    everything = SeenExamples()
+    class EpochOne(SeenExamples):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+            if trainer.current_epoch == 1:
+                super().on_train_batch_start(trainer, module, batch, batch_idx)
+    unbroken = EpochOne()
+    trainer(tmp_path, [unbroken], max_epochs=2).fit(model(), datamodule=datamodule())
+    assert len(resumed.seen) == 1500 and resumed.seen == unbroken.seen  # same rows, same order
+
+
+def test_an_epoch_end_checkpoint_of_an_online_run_trains_the_next_slice(tmp_path):
+    for day in range(3):
+        write_synthetic_criteo(tmp_path / f"2026-01-0{day + 1}.tsv", rows=300 + 100 * day, seed=0, stream=day)
+    datamodule = lambda: CriteoDataModule(train_paths=str(tmp_path / "2026-*.tsv"), batch_size=100, online=True)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer(tmp_path, [ckpt], max_epochs=1, reload_dataloaders_every_n_epochs=1).fit(model(), datamodule=datamodule())
+    seen = SeenPerEpoch()
+    trainer(tmp_path, [seen], max_epochs=2, reload_dataloaders_every_n_epochs=1).fit(
+        model(), datamodule=datamodule(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    assert seen.counts == {1: 400}  # the second slice, trained on once
