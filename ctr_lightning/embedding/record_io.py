@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes
+import errno
+import os
 
 import numba
 import numpy as np
@@ -46,3 +48,31 @@ def transfer_records(fd, rows, records, write) -> int:
         if done != size:
             return i
     return -1
+
+
+def move_records(fd: int, rows: np.ndarray, records: np.ndarray, write: bool) -> None:
+    """:func:`transfer_records`, raising the OSError that stopped it, with its errno.
+
+    The compiled loop cannot see errno, so the run it stopped at is moved again here, and
+    a short transfer is continued where it ended: the call that fails, with the cause, is
+    the next one (a disk that filled up mid-run took the run's first bytes, and writing
+    those again would succeed). The runs after it go back to the compiled loop. End of
+    file on a read is EIO. ``rows`` must be C-contiguous."""
+    start = transfer_records(fd, rows, records, write)
+    if start < 0:
+        return
+    nbytes = rows.shape[1] * 4
+    data = memoryview(rows).cast("B")
+    while start >= 0:
+        stop = start + 1
+        while stop < len(records) and records[stop] == records[stop - 1] + 1:
+            stop += 1
+        view, offset = data[start * nbytes : stop * nbytes], int(records[start]) * nbytes
+        while len(view):
+            done = os.pwrite(fd, view, offset) if write else os.preadv(fd, [view], offset)
+            if done == 0:
+                raise OSError(errno.EIO, f"{'writing' if write else 'reading'} {len(view)} bytes at {offset}: "
+                                         f"{'nothing written' if write else 'end of file'}")
+            view, offset = view[done:], offset + done
+        rest = transfer_records(fd, rows[stop:], records[stop:], write)
+        start = stop + rest if rest >= 0 else -1

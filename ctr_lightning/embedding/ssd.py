@@ -5,15 +5,14 @@ Tables with hashed ids are kept in :class:`ctr_lightning.embedding.ssd_log.SsdLo
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 from pathlib import Path
 
 import numpy as np
 
-from ctr_lightning.embedding.record_io import transfer_records
-from ctr_lightning.embedding.ssd_log import NO_SSD_COUNTERS, Relocated
+from ctr_lightning.embedding.record_io import move_records
+from ctr_lightning.embedding.ssd_log import NO_SSD_COUNTERS, Relocated, claim_directory, ssd_error
 
 class RecordFile:
     """A file of fixed-size float32 records, read and written in compiled pread/pwrite loops.
@@ -30,9 +29,16 @@ class RecordFile:
         self.table_names = table_names
         self.record_bytes = width * 4
         self.fd = -1
+        self._claim = None
         self.path = self.directory / f"{name}.rows"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"SSD tier of tables {table_names}: cannot create files in "
+                                   f"{self.directory}: {e.strerror}") from e
+        # Before the file is truncated: another live run's rows may be in it.
+        self._claim = claim_directory(self.directory, table_names)
+        try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
             raise OSError(e.errno, f"SSD tier of tables {table_names}: cannot create files in "
@@ -43,9 +49,8 @@ class RecordFile:
         # locates rows; reading located records needs no lock (see :meth:`read_located`).
         self.lock = threading.Lock()
 
-    def _fail(self, action: str, err: int) -> OSError:
-        return OSError(err, f"SSD tier of tables {self.table_names}: {action} {self.path} failed: "
-                            f"{os.strerror(err)}; rows already written are intact")
+    def _fail(self, action: str, err: int, needed: int = 0) -> OSError:
+        return ssd_error(self.table_names, action, self.path, err, self.directory, needed)
 
     def _read(self, fd: int, records: np.ndarray) -> np.ndarray:
         """Rows at ``records`` (any order), read in ascending runs."""
@@ -54,8 +59,10 @@ class RecordFile:
             order = np.argsort(records, kind="stable")
             ordered = records[order]
             sorted_out = np.empty_like(out)
-            if transfer_records(fd, sorted_out, ordered, False) >= 0:
-                raise self._fail("reading", errno.EIO)
+            try:
+                move_records(fd, sorted_out, ordered, write=False)
+            except OSError as e:
+                raise self._fail("reading", e.errno) from e
             out[order] = sorted_out
             self.bytes_read += out.nbytes
         return out
@@ -65,20 +72,18 @@ class RecordFile:
         order = np.argsort(records, kind="stable")
         records = records[order]
         rows = np.ascontiguousarray(rows[order], dtype=np.float32)
-        if transfer_records(fd, rows, records, True) >= 0:
-            # Repeat the write in Python to learn why (errno is not visible from numba).
-            try:
-                os.pwrite(fd, rows.tobytes(), int(records[0]) * self.record_bytes)
-                err = errno.EIO
-            except OSError as e:
-                err = e.errno
-            raise self._fail(action, err)
+        try:
+            move_records(fd, rows, records, write=True)
+        except OSError as e:
+            raise self._fail(action, e.errno, needed=rows.nbytes) from e
         self.bytes_written += rows.nbytes
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self._claim is not None:
+            self._claim.release()
 
     def __del__(self) -> None:
         self.close()

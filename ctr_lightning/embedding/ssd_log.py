@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import threading
 import time
 import zlib
@@ -14,9 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ctr_lightning.embedding.directory_lock import DirectoryLock
 from ctr_lightning.embedding.key_index import dedup
 from ctr_lightning.embedding.location_index import MAX_RECORDS, LocationIndex
-from ctr_lightning.embedding.record_io import transfer_records
+from ctr_lightning.embedding.record_io import move_records, transfer_records
 from ctr_lightning.fault_points import reached
 
 _HEADER = 4  # float32 words before a record's row: id (int64), table (int32), unused (int32)
@@ -158,8 +160,15 @@ class SsdLog:
         # Held while the layout changes and while a prefetch thread locates rows; reading
         # located records needs no lock (their segments are pinned meanwhile).
         self.lock = threading.Lock()
+        self._claim: DirectoryLock | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OSError(e.errno, f"SSD tier of tables {table_names}: cannot create files in "
+                                   f"{self.directory}: {e.strerror}") from e
+        # Before anything there is deleted: the files of another live run are not stale.
+        self._claim = claim_directory(self.directory, table_names)
+        try:
             for stale in [*self.directory.glob(f"{name}.*.seg"), *self.directory.glob(f"{name}.*.keys")]:
                 stale.unlink()  # a previous run's: this one starts empty (a snapshot keeps its own links)
         except OSError as e:
@@ -196,9 +205,8 @@ class SsdLog:
     def _split(self, locations: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return locations // self.segment_records, locations % self.segment_records
 
-    def _fail(self, action: str, path: Path | str, err: int) -> OSError:
-        return OSError(err, f"SSD tier of tables {self.table_names}: {action} {path} failed: {os.strerror(err)}; "
-                            f"rows already written are intact")
+    def _fail(self, action: str, path: Path | str, err: int, needed: int = 0) -> OSError:
+        return ssd_error(self.table_names, action, path, err, self.directory, needed)
 
     def _next_number(self) -> tuple[int, int, Path]:
         """``(number, generation, path)`` of the next segment."""
@@ -264,8 +272,10 @@ class SsdLog:
         bounds = list(zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [len(order)]]).tolist()))
 
         def read(lo: int, hi: int) -> None:
-            if transfer_records(fds[int(segments[lo])], buffer[lo:hi], slots[lo:hi], False) >= 0:
-                raise self._fail("reading", self.segments[int(segments[lo])].path, errno.EIO)
+            try:
+                move_records(fds[int(segments[lo])], buffer[lo:hi], slots[lo:hi], write=False)
+            except OSError as e:
+                raise self._fail("reading", self.segments[int(segments[lo])].path, e.errno) from e
 
         if pieces == 1:
             for lo, hi in bounds:
@@ -378,16 +388,17 @@ class SsdLog:
                 segment = self._active = self._new_segment()
             n = min(len(ids) - start, self.segment_records - segment.written)
             slots = np.arange(segment.written, segment.written + n, dtype=np.int64)
-            if transfer_records(segment.fd, records[start : start + n], slots, True) >= 0:
-                raise self._fail("writing", segment.path, _errno_of(segment.fd, records[start], segment.written,
-                                                                    self.record_bytes))
+            try:
+                move_records(segment.fd, records[start : start + n], slots, write=True)
+            except OSError as e:
+                raise self._fail("writing", segment.path, e.errno, needed=n * self.record_bytes) from e
             keys = np.empty(n, dtype=KEY)
             keys["table"], keys["id"] = tables[start : start + n], ids[start : start + n]
             try:
                 if os.pwrite(segment.keys_fd, keys.tobytes(), segment.written * KEY.itemsize) != keys.nbytes:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             except OSError as e:
-                raise self._fail("writing", segment.keys_path, e.errno) from e
+                raise self._fail("writing", segment.keys_path, e.errno, needed=keys.nbytes) from e
             segment.crc = zlib.crc32(records[start : start + n], segment.crc)
             segment.written += n
             self.bytes_written += n * self.record_bytes
@@ -597,6 +608,8 @@ class SsdLog:
                 os.close(segment.keys_fd)
                 segment.keys_fd = -1
         self.segments.clear()
+        if self._claim is not None:
+            self._claim.release()
 
     def __del__(self) -> None:
         self.close()
@@ -608,10 +621,22 @@ def record_keys(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return head[:, 2].view(np.int32).astype(np.int64), head[:, :2].copy().view(np.int64)[:, 0]
 
 
-def _errno_of(fd: int, record: np.ndarray, slot: int, record_bytes: int) -> int:
-    """Repeat a failed write in Python to learn why (errno is not visible from numba)."""
-    try:
-        os.pwrite(fd, record.tobytes(), slot * record_bytes)
-        return errno.EIO
-    except OSError as e:
-        return e.errno
+def claim_directory(directory: Path, table_names: list[str]) -> DirectoryLock:
+    """This process's claim on an SSD directory: another run's tiers there are refused."""
+    return DirectoryLock(directory, f"SSD tier of tables {table_names}", "StorageConfig.ssd_dir")
+
+
+def ssd_error(table_names: list[str], action: str, path: Path | str, err: int, directory: Path,
+              needed: int = 0) -> OSError:
+    """The error of a failed read or write of an SSD tier's file, with its errno; a full
+    disk names the directory's free bytes and the bytes the write needed."""
+    cause = os.strerror(err)
+    if err == errno.ENOSPC:
+        try:
+            free = f"{shutil.disk_usage(directory).free} bytes"
+        except OSError:
+            free = "an unknown number of bytes"
+        cause += (f": {directory} has {free} free and the write needed {needed} bytes; free space there "
+                  f"or choose another ssd_dir (StorageConfig.ssd_dir)")
+    return OSError(err, f"SSD tier of tables {table_names}: {action} {path} failed: {cause}; "
+                        f"rows already written are intact")

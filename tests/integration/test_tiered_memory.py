@@ -40,7 +40,8 @@ peak = 0
 for i in range(ssd_rows // batch + 1):
     step(ebc, i, ssd_rows + batch)
     peak = max(peak, rss())
-ssd_bytes = os.path.getsize(os.path.join(sys.argv[1], os.listdir(sys.argv[1])[0]))
+(rows_file,) = [f for f in os.listdir(sys.argv[1]) if f.endswith(".rows")]  # beside it: the directory lock
+ssd_bytes = os.path.getsize(os.path.join(sys.argv[1], rows_file))
 stored = ebc._built().groups[0].tiers.ssd.__len__() * row_bytes
 print(f"RESULT budget={budget} growth={peak - start} ssd_file={ssd_bytes} ssd_rows_bytes={stored}")
 """
