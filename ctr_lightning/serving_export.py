@@ -33,16 +33,20 @@ import torch
 import ctr_lightning  # noqa: F401 - registers the config classes a checkpoint may hold
 from ctr_lightning.embedding.key_index import KeyIndex
 from ctr_lightning.embedding.row_files import file_sha256
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest, read_snapshot_file, verify
+from ctr_lightning.embedding.table_snapshot import MANIFEST, SnapshotManifest, read_snapshot_file, verify
 
 FORMAT = "ctr-lightning-export-1"
 
 
-def _table_chunks(extra: dict[str, Any], chunk_rows: int) -> tuple[dict[str, dict[str, int]],
-                                                                   Iterator[tuple[str, np.ndarray, torch.Tensor]]]:
-    """The tables of one collection's extra state and ``(table, ids, rows)`` chunks of them."""
+def _table_chunks(extra: dict[str, Any], chunk_rows: int, beside: Path) -> tuple[
+        dict[str, dict[str, int]], Iterator[tuple[str, np.ndarray, torch.Tensor]]]:
+    """The tables of one collection's extra state and ``(table, ids, rows)`` chunks of them.
+    A snapshot is looked for by name in ``beside`` (the checkpoint's ``table_snapshots``)
+    first, as a resume does: a copied run directory exports its own files."""
     if "snapshot" in extra:
         directory = Path(extra["snapshot"])
+        if (beside / directory.name / MANIFEST).exists():
+            directory = beside / directory.name
         manifest = SnapshotManifest.read(directory)
         if manifest.sha256() != extra["manifest_sha256"]:
             raise ValueError(f"table snapshot {directory}: its manifest is not the one the checkpoint refers to")
@@ -154,7 +158,7 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
 
     tables_out: dict[str, dict[str, Any]] = {}
     for extra in collections.values():
-        configs, chunks = _table_chunks(extra, chunk_rows)
+        configs, chunks = _table_chunks(extra, chunk_rows, Path(ckpt_path).parent / "table_snapshots")
         writers: dict[str, _TableWriter] = {}
         for name, ids, rows in chunks:
             if name not in writers:

@@ -25,17 +25,13 @@ def snapshot_references(state_dict: dict[str, Any]) -> set[str]:
 
 
 def with_ancestors(snapshots: set[str]) -> set[str]:
-    """The snapshots and every snapshot an incremental one among them builds on. A
-    manifest that cannot be read raises (OSError, ValueError): its ancestors are unknown."""
-    out, todo = set(), list(snapshots)
-    while todo:
-        path = todo.pop()
-        if path in out:
-            continue
-        out.add(path)
-        parent = SnapshotManifest.read(path).parent
-        if parent is not None:
-            todo.append(parent.path)
+    """The snapshots and every snapshot an incremental one among them builds on, found as
+    loading finds them (:meth:`SnapshotManifest.chain`). A manifest that cannot be read, or
+    an ancestor gone, raises (OSError, ValueError): the ancestors are unknown."""
+    out = set()
+    for path in snapshots:
+        if path not in out:
+            out |= {str(directory) for directory, _ in SnapshotManifest.read(path).chain(path)}
     return out
 
 
@@ -55,13 +51,25 @@ class TableSnapshots(Callback):
     which nothing can load and whose hard links would keep retired SSD segments on disk.
     A checkpoint saved by hand elsewhere
     (``trainer.save_checkpoint("x.ckpt")``) does not protect its snapshot: save it into a
-    ModelCheckpoint directory. A run directory moved elsewhere resumes: snapshots are found
-    by name beside the checkpoint resumed from, and a chain's parents beside their child.
+    ModelCheckpoint directory. A run directory moved or copied elsewhere resumes from its
+    own files: a snapshot is looked for by name beside the checkpoint resumed from, and a
+    chain's parents beside their child, before their recorded paths.
 
     Saves are incremental: a snapshot holds the rows changed since the previous one (dirty
     rows of the memory tiers, SSD records written since) and names it as its parent;
-    every ``full_every``-th save holds every row again. A snapshot some kept checkpoint's
-    snapshot builds on is never deleted.
+    every ``full_every``-th save holds every row again, and so does the first save of a run
+    resumed from a checkpoint whose snapshots lie elsewhere (a chain never spans two
+    snapshot folders). A snapshot some kept checkpoint's snapshot builds on is never deleted.
+
+    ``link_segments``: where ``root`` is on the SSD tier's file system, a snapshot shares
+    the SSD log's sealed segments by hard link (the default: a save writes little more
+    than the rows in memory). Every snapshot linking a segment then holds the same bytes,
+    so one damaged segment makes all of them unloadable. ``False`` copies the rows
+    instead: each checkpoint is independent of the others (and of the SSD files), at the
+    cost of writing and storing every row at each full save.
+
+    A :class:`~ctr_lightning.models.CTRModule` whose tables have an SSD tier adds one by
+    itself to a trainer that checkpoints (:func:`table_snapshots_by_default`).
 
     Under DDP with sharded tables every rank writes the rows it owns into the same
     snapshot (so the checkpoint directory must be one all ranks see, as Lightning's is),
@@ -72,11 +80,12 @@ class TableSnapshots(Callback):
         Trainer(callbacks=[ModelCheckpoint(every_n_train_steps=1000, save_top_k=3), TableSnapshots()])
     """
 
-    def __init__(self, root: str | None = None, full_every: int = 8) -> None:
+    def __init__(self, root: str | None = None, full_every: int = 8, link_segments: bool = True) -> None:
         if full_every < 1:
             raise ValueError(f"TableSnapshots: full_every must be >= 1, got {full_every}")
         self.root = Path(root) if root is not None else None
         self.full_every = full_every
+        self.link_segments = link_segments
         self._collections: list[TieredEmbeddingBagCollection] = []
 
     def _checkpoint_files(self, trainer: pl.Trainer) -> list[Path] | None:
@@ -104,7 +113,7 @@ class TableSnapshots(Callback):
             dirs = [c.dirpath for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint) and c.dirpath]
             self.root = Path(dirs[0] if dirs else trainer.default_root_dir) / "table_snapshots"
         for collection in self._collections:
-            collection.checkpoint_to_snapshots(self.root, self.full_every)
+            collection.checkpoint_to_snapshots(self.root, self.full_every, self.link_segments)
         if trainer.is_global_zero:
             self._delete_abandoned()
 
@@ -158,3 +167,26 @@ class TableSnapshots(Callback):
                 else:
                     shutil.rmtree(snapshot, ignore_errors=True)
             collection.snapshots_written = kept
+
+
+def table_snapshots_by_default(pl_module: pl.LightningModule) -> list[Callback]:
+    """What a LightningModule's ``configure_callbacks`` returns so that its checkpoints
+    never gather tables held on SSD into memory: ``[TableSnapshots()]`` when some
+    :class:`TieredEmbeddingBagCollection` of it would (:attr:`~TieredEmbeddingBagCollection.gathers_ssd_rows`),
+    its trainer checkpoints (a ``ModelCheckpoint``, say), and the trainer has no
+    TableSnapshots of its own (whose settings stay); else ``[]``. Lightning adds what this
+    returns to the trainer's callbacks before set-up, so a resumed run finds its snapshots.
+    :class:`~ctr_lightning.models.CTRModule` does so; tables held in memory keep whole
+    rows in the checkpoint.
+
+    Example::
+
+        class MyModel(pl.LightningModule):
+            def configure_callbacks(self):
+                return table_snapshots_by_default(self)
+    """
+    trainer = pl_module.trainer
+    if not trainer.checkpoint_callbacks or any(isinstance(c, TableSnapshots) for c in trainer.callbacks):
+        return []
+    collections = [m for m in pl_module.modules() if isinstance(m, TieredEmbeddingBagCollection)]
+    return [TableSnapshots()] if any(c.gathers_ssd_rows for c in collections) else []

@@ -21,6 +21,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,25 @@ SNAPSHOT_NAME = re.compile(r"v\d{9,}-[0-9a-f]{8}")
 WRITING = ".writing-"  # + the writer's file prefix: locked while a save writes, gone once it is complete
 FORMAT = "ctr-lightning-table-snapshot-2"  # 2: files may be segment sets (SnapshotFile.kind)
 READABLE = ("ctr-lightning-table-snapshot-1", FORMAT)
+
+
+# Whether saves share the SSD log's sealed segments by hard link (else their rows are
+# copied into row files). A context, not an argument: every engine's save_snapshot reaches
+# write_shard, on one rank or many, without each passing it on.
+_LINK_SEGMENTS: ContextVar[bool] = ContextVar("link_segments", default=True)
+
+
+@contextmanager
+def segments_linked(link: bool) -> Iterator[None]:
+    """Saves inside the block hard-link sealed SSD segments (``True``, the default: a
+    snapshot then costs little more than the rows in memory, but shares those files with
+    the SSD log and with every other snapshot linking them) or copy their rows
+    (``False``: a snapshot independent of every other file)."""
+    token = _LINK_SEGMENTS.set(link)
+    try:
+        yield
+    finally:
+        _LINK_SEGMENTS.reset(token)
 
 
 def snapshot_name(version: int) -> str:
@@ -113,25 +133,32 @@ class SnapshotManifest:
         if not path.exists():
             raise FileNotFoundError(f"table snapshot {directory}: no {MANIFEST}, so it is incomplete (a save that "
                                     f"did not finish) or not a snapshot")
-        data = json.loads(path.read_text())
-        if data.get("format") not in READABLE:
-            raise ValueError(f"{path}: format {data.get('format')!r}, expected one of {READABLE}")
-        return cls(format=data["format"], world_size=int(data["world_size"]), tables=data["tables"],
-                   steps={k: int(v) for k, v in data["steps"].items()},
-                   files=[SnapshotFile(**f) for f in data["files"]], sharding=data.get("sharding", {}),
-                   parent=SnapshotRef(**data["parent"]) if data.get("parent") else None)
+        try:
+            data = json.loads(path.read_text())
+        except ValueError as e:  # not JSON, or not text
+            raise ValueError(f"{path}: damaged manifest, not readable as JSON ({e})") from e
+        if not isinstance(data, dict) or data.get("format") not in READABLE:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{path}: format {found!r}, expected one of {READABLE}")
+        try:
+            return cls(format=data["format"], world_size=int(data["world_size"]), tables=data["tables"],
+                       steps={k: int(v) for k, v in data["steps"].items()},
+                       files=[SnapshotFile(**f) for f in data["files"]], sharding=data.get("sharding", {}),
+                       parent=SnapshotRef(**data["parent"]) if data.get("parent") else None)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{path}: damaged manifest, a field is missing or of the wrong type "
+                             f"({type(e).__name__}: {e})") from e
 
     def chain(self, directory: str | os.PathLike) -> list[tuple[Path, SnapshotManifest]]:
         """This snapshot and its ancestors, newest first, each parent checked to be the
-        one its child was saved over. A parent no longer at its recorded path is looked
-        for beside its child (a run directory moved or copied elsewhere)."""
+        one its child was saved over. A parent is looked for beside its child first (saves
+        put it there; a copied run directory then reads its own copy, not the original),
+        then at its recorded path."""
         out = [(Path(directory), self)]
         while out[-1][1].parent is not None:
             ref = out[-1][1].parent
-            path = Path(ref.path)
-            beside = out[-1][0].parent / path.name
-            if not (path / MANIFEST).exists() and (beside / MANIFEST).exists():
-                path = beside
+            beside = out[-1][0].parent / Path(ref.path).name
+            path = beside if (beside / MANIFEST).exists() else Path(ref.path)
             try:
                 parent = SnapshotManifest.read(path)
             except FileNotFoundError as e:
@@ -249,15 +276,18 @@ def write_shard(engine, directory: str | os.PathLike, rank: int = 0, chunk_rows:
                 prefix: str | None = None) -> ShardFiles:
     """Stream every row a :class:`LocalTables` engine holds into ``directory`` (one file per
     table group, named for ``rank`` or ``prefix``), or with ``changed_only`` those that may
-    have changed since the engine's last snapshot; ``steps`` overrides the engine's step counts."""
+    have changed since the engine's last snapshot; ``steps`` overrides the engine's step counts.
+    Sealed SSD segments are hard-linked where the file system allows, unless saved inside
+    ``segments_linked(False)``."""
     files, step_counts, tables = [], {}, {}
     prefix = prefix or f"rank{rank}"
+    link = _LINK_SEGMENTS.get()
     for g, group in enumerate(engine.groups):
         name = f"{prefix}-group{g}.rows"
         ssd = group.tiers.ssd
         share = (SegmentSetWriter(Path(directory) / f"{prefix}-group{g}.segments", group.names, group.width,
                                   ssd.record_bytes)
-                 if isinstance(ssd, SsdLog) and can_share(ssd.directory, directory) else None)
+                 if link and isinstance(ssd, SsdLog) and can_share(ssd.directory, directory) else None)
         with RowFileWriter(Path(directory) / name, group.names, group.width) as out:
             for t, i, rows in group.tiers.export_chunks(chunk_rows, changed_only=changed_only, share=share):
                 out.write(t, i, rows)

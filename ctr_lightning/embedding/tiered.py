@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,13 @@ from ctr_lightning.embedding.sharding_plan import SHARDING_KINDS, TableSharding,
 from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig
 from ctr_lightning.embedding.table_checks import check_tables
 from ctr_lightning.embedding.table_setup import TableSetup, check_kernel_device
-from ctr_lightning.embedding.table_snapshot import MANIFEST, SnapshotManifest, SnapshotRef, snapshot_name
+from ctr_lightning.embedding.table_snapshot import (
+    MANIFEST,
+    SnapshotManifest,
+    SnapshotRef,
+    segments_linked,
+    snapshot_name,
+)
 from ctr_lightning.fault_points import reached
 from ctr_lightning.strategies.merge_schedule import MergeSchedule
 
@@ -144,6 +151,11 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._engine: TableEngine | None = None
         # With a snapshot root, checkpoints hold a reference to a table snapshot, not rows.
         self._snapshot_root: Path | None = None
+        self._link_segments = True  # snapshots hard-link sealed SSD segments (else copy their rows)
+        # Whole rows in the state dict asked for (checkpoint_to_snapshots(None)): an SSD tier
+        # is then neither switched to snapshots by default nor warned about.
+        self._whole_rows_asked = False
+        self._warned_gathering = False
         self._version = 0  # counts changes of the rows: one snapshot serves one state
         self._snapshot: tuple[int, dict[str, Any]] | None = None  # (version, its reference)
         self.snapshots_written: list[Path] = []  # by this process: TableSnapshots may delete them
@@ -348,23 +360,30 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     # -- checkpoints ---------------------------------------------------------------------
 
-    def save_tables(self, directory: str | os.PathLike, incremental: bool = False) -> SnapshotManifest:
+    def save_tables(self, directory: str | os.PathLike, incremental: bool = False,
+                    link_segments: bool = True) -> SnapshotManifest:
         """Write every row to a new snapshot in ``directory``, streaming from every tier (one
         chunk of rows in memory, not the table); the manifest, written last, completes it.
 
         With ``incremental``, only the rows changed since the last snapshot this collection
         saved or loaded are written, and the new snapshot names that one as its parent
-        (loading reads the chain); every ``full_every``-th save of a chain (see
+        (loading reads the chain), when that one lies in the same folder: a chain never
+        spans two folders, so a run resumed from another run's checkpoint does not depend
+        on that run's files. Every ``full_every``-th save of a chain (see
         :meth:`checkpoint_to_snapshots`) writes all rows again, so chains stay short.
-        When sharded this is collective: each rank writes the rows it owns to its own
-        files, and ``directory`` must be one every rank sees."""
+        ``link_segments``: share sealed SSD segments by hard link where the file system
+        allows (little is written, but one damaged segment damages every snapshot linking
+        it), or ``False``: copy their rows. When sharded this is collective: each rank
+        writes the rows it owns to its own files, and ``directory`` must be one every rank sees."""
         engine = self._built()
         parent = self._base if incremental and self._chain_deltas + 1 < self._full_every else None
-        if parent is not None and not (Path(parent.path) / MANIFEST).exists():
-            parent = None  # removed by hand: nothing to build on
+        if parent is not None and (not (Path(parent.path) / MANIFEST).exists()
+                                   or Path(parent.path).resolve().parent != Path(directory).resolve().parent):
+            parent = None  # removed by hand, or another run's: nothing to build on here
         # Every rank must write the same kind of snapshot: rank 0's view decides (collective).
         parent = engine.from_rank0(parent)
-        manifest = engine.save_snapshot(directory, parent)
+        with segments_linked(link_segments):
+            manifest = engine.save_snapshot(directory, parent)
         self._base = SnapshotRef(str(Path(directory).resolve()), manifest.sha256())
         self._chain_deltas = self._chain_deltas + 1 if parent is not None else 0
         return manifest
@@ -386,24 +405,41 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._chain_deltas = len(manifest.chain(directory)) - 1
         return manifest
 
-    def checkpoint_to_snapshots(self, root: str | os.PathLike | None, full_every: int = 8) -> None:
+    def checkpoint_to_snapshots(self, root: str | os.PathLike | None, full_every: int = 8,
+                                link_segments: bool = True) -> None:
         """From now on the state dict (and so a Lightning checkpoint) holds a reference to a
         new table snapshot under ``root`` instead of the rows: saving streams the rows, at
         the memory of one chunk, each rank its own, and only those changed since the
-        previous snapshot, except every ``full_every``-th (1: every save is full).
-        ``None``: rows in the state dict again. The
-        :class:`~ctr_lightning.callbacks.TableSnapshots` callback sets this up."""
+        previous snapshot, except every ``full_every``-th (1: every save is full);
+        ``link_segments`` as in :meth:`save_tables`. ``None``: every row in the state dict,
+        asked for: a collection with an SSD tier is then no longer switched to snapshots by
+        default (:attr:`gathers_ssd_rows`). The :class:`~ctr_lightning.callbacks.TableSnapshots`
+        callback sets this up."""
         if full_every < 1:
             raise ValueError(f"full_every must be >= 1, got {full_every}")
         self._snapshot_root = Path(root) if root is not None else None
+        self._whole_rows_asked = root is None
         self._full_every = full_every
+        self._link_segments = link_segments
+
+    @property
+    def gathers_ssd_rows(self) -> bool:
+        """Whether a state dict (so a Lightning checkpoint) would gather into memory rows an
+        SSD tier holds: the tables may keep rows on SSD (an SSD directory, or storage auto
+        before its plan), checkpoints do not go to table snapshots, and whole rows were not
+        asked for. :class:`~ctr_lightning.models.CTRModule` then adds a
+        :class:`~ctr_lightning.callbacks.TableSnapshots` to a trainer that checkpoints."""
+        if self._snapshot_root is not None or self._whole_rows_asked:
+            return False
+        if self._auto_storage is not None and self._engine is None:
+            return True  # not planned yet (planning here would size the tiers for the wrong device)
+        return any(s.ssd_dir is not None for s in self._setup.storage.values())
 
     def _find_snapshot(self, recorded: str) -> Path:
-        """The snapshot a checkpoint names: at its recorded path, else by its name in
-        :attr:`snapshot_search` (else the recorded path, whose reading says what is missing)."""
+        """The snapshot a checkpoint names: by its name in :attr:`snapshot_search` (beside the
+        checkpoint being loaded: a copied run directory reads its own copy, not the original
+        it was copied from), else at its recorded path (whose reading says what is missing)."""
         path = Path(recorded)
-        if (path / MANIFEST).exists():
-            return path
         for directory in self.snapshot_search():
             if (directory / path.name / MANIFEST).exists():
                 return directory / path.name
@@ -421,14 +457,24 @@ class TieredEmbeddingBagCollection(nn.Module):
                 name = self._built().from_rank0(snapshot_name(self._version))
                 directory = self._snapshot_root / name
                 self.snapshots_written.append(directory.resolve())
-                manifest = self.save_tables(directory, incremental=True)
+                manifest = self.save_tables(directory, incremental=True, link_segments=self._link_segments)
                 self._snapshot = (self._version, {"snapshot": str(directory.resolve()),
                                                   "manifest_sha256": manifest.sha256()})
             return dict(self._snapshot[1])
+        engine = self._built()  # first: under storage auto, only the plan says whether there is an SSD tier
+        if self.gathers_ssd_rows and not self._warned_gathering:
+            self._warned_gathering = True
+            warnings.warn(f"{type(self).__name__}: this state dict gathers every row of tables "
+                          f"{[t.name for t in self._tables]} into memory, those an SSD tier holds too; a table "
+                          f"larger than memory cannot be saved so. For checkpoints that stream the rows to table "
+                          f"snapshots, add ctr_lightning.callbacks.TableSnapshots() to the Trainer's callbacks, or "
+                          f"return ctr_lightning.callbacks.table_snapshots_by_default(self) from the LightningModule's "
+                          f"configure_callbacks (CTRModule models do); checkpoint_to_snapshots(None) asks for whole "
+                          f"rows and silences this.", stacklevel=2)
         # Per table, whatever the sharding: a checkpoint loads into any number of ranks.
         # When sharded this is collective (Lightning builds checkpoints on every rank). The
         # widths go along for readers of the file alone (export: rows hold optimizer state too).
-        return {"tables": self._built().export(), "dims": {t.name: t.embedding_dim for t in self._tables}}
+        return {"tables": engine.export(), "dims": {t.name: t.embedding_dim for t in self._tables}}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         if "snapshot" in state:

@@ -14,12 +14,16 @@ from torchmetrics.classification import BinaryAUROC
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from ctr_lightning.batch import Batch
+from ctr_lightning.callbacks.table_snapshots import table_snapshots_by_default
 from ctr_lightning.datamodules.criteo_schema import NUM_DENSE, SPARSE_NAMES
 from ctr_lightning.embedding import AutoStorage, StorageConfig, TieredEmbeddingBagCollection
 from ctr_lightning.embedding.optimizers import SPARSE_OPTIMIZERS
 from ctr_lightning.metrics import Calibration, GroupAUC, LogLoss, NormalizedEntropy
 
 POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+# A checkpoint's model class, for `ctr-lightning ... --ckpt_path` to check the class a run names
+# (LightningCLI records it only for models it built itself).
+MODEL_CLASS_KEY = "ctr_lightning_model_class"
 
 
 class CTRModule(pl.LightningModule):
@@ -182,6 +186,9 @@ class CTRModule(pl.LightningModule):
                                     {t.name: t.num_embeddings for t in tables}, auto.profile_batches)
         return self.embeddings.plan_placement(int(batch_size), access)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[MODEL_CLASS_KEY] = f"{type(self).__module__}.{type(self).__qualname__}"
+
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)
         self.log("train/loss", loss, prog_bar=True, batch_size=len(batch))
@@ -228,6 +235,14 @@ class CTRModule(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.dense_parameters(), lr=self.hparams.learning_rate)
+
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """A :class:`~ctr_lightning.callbacks.TableSnapshots` when the tables have an SSD tier
+        and the trainer checkpoints without one: a checkpoint then streams the rows to a
+        snapshot instead of gathering tables larger than memory into the ``.ckpt``
+        (:func:`~ctr_lightning.callbacks.table_snapshots_by_default`). A TableSnapshots given
+        to the trainer is kept as it is; tables held in memory keep their rows in the ``.ckpt``."""
+        return table_snapshots_by_default(self)
 
 
 def _quality_metrics() -> nn.ModuleDict:

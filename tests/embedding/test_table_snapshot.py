@@ -99,6 +99,47 @@ def test_a_flipped_byte_or_a_missing_manifest_is_named(tmp_path):
         target.load_tables(tmp_path / "snap")
 
 
+def test_a_damaged_manifest_is_named(tmp_path):
+    ebc, _ = trained(StorageConfig(), steps=10)
+    ebc.save_tables(tmp_path / "s0")
+    for kjt, target in list(growing_workload(12))[10:]:
+        loss_of(ebc(kjt), target).backward()
+    ebc.save_tables(tmp_path / "s1", incremental=True)
+    target = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
+    manifest = tmp_path / "s0" / "manifest.json"
+    text = manifest.read_text()
+    named = re.escape(str(manifest))
+    for damage, says in ((text[: len(text) // 2], "not readable as JSON"), ("\x00\xff" * 8, "not readable as JSON"),
+                         (json.dumps({"format": json.loads(text)["format"]}), "a field is missing")):
+        manifest.write_bytes(damage.encode("latin-1"))
+        with pytest.raises(ValueError, match=rf"{named}: damaged manifest, {says}"):
+            target.load_tables(tmp_path / "s0")
+        # The parent of an incremental snapshot: the parent's manifest is the one named.
+        with pytest.raises(ValueError, match=rf"{named}: damaged manifest, {says}"):
+            target.load_tables(tmp_path / "s1")
+
+
+def test_an_incremental_snapshot_builds_only_on_one_in_its_own_folder(tmp_path):
+    ebc, _ = trained(StorageConfig(), steps=10)
+    more = list(growing_workload(16))[10:]
+    saves = []
+    for n, folder in enumerate(("a", "a", "b")):
+        for kjt, target in more[2 * n : 2 * n + 2]:
+            loss_of(ebc(kjt), target).backward()
+        saves.append(ebc.save_tables(tmp_path / folder / f"s{n}", incremental=True))
+    assert [m.parent is not None for m in saves] == [False, True, False]
+    # Loaded from one folder, saved into another (a run resumed from another run's
+    # checkpoint): every row, so the first folder may go.
+    other = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
+    other.load_tables(tmp_path / "a" / "s1")
+    assert other.save_tables(tmp_path / "c" / "s3", incremental=True).parent is None
+    shutil.rmtree(tmp_path / "a")
+    again = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
+    again.load_tables(tmp_path / "c" / "s3")
+    want, got = full_state(other), full_state(again)
+    assert all(torch.equal(want[t][1], got[t][1]) for t in want)
+
+
 def test_a_snapshot_of_other_rows_is_refused_naming_the_table(tmp_path):
     ebc, _ = trained(StorageConfig(), steps=5)
     ebc.save_tables(tmp_path / "snap")

@@ -1,5 +1,5 @@
 """A run killed with SIGKILL resumes from its last checkpoint to the same weights, bit for
-bit, with rows on SSD and the tables in the checkpoint file, through ``ctr-lightning fit
+bit, with rows on SSD (streamed to table snapshots, the default for them), through ``ctr-lightning fit
 --ckpt_path last``, which logs on into the killed run's TensorBoard directory. (Kills at
 five points of a 2-rank run with table snapshots: test_crash_resume_ranks.py.)
 
@@ -37,18 +37,25 @@ def _run(args, cwd, tmp_path):
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
-def _final_state(path: Path) -> dict:
+def _final_state(path: Path, ssd_dir: Path) -> dict:
     """Dense weights and optimizer state, and every stored table row (by id), of a checkpoint,
-    loaded the way Lightning loads it: ``weights_only=True``."""
+    loaded the way Lightning loads it (``weights_only=True``); the rows, which the default
+    checkpoint of SSD tables streams to a table snapshot, through a fresh module that loads
+    them (on SSD files of its own in ``ssd_dir``)."""
+    from ctr_lightning.embedding import StorageConfig, TieredEmbeddingBagCollection
+    from ctr_lightning.models import DLRMModule
+
     ckpt = torch.load(path, weights_only=True)
     assert ckpt["global_step"] == STEPS
-    state = dict(ckpt["state_dict"])
+    state = {k: v for k, v in ckpt["state_dict"].items() if not k.endswith("_extra_state")}
+    assert all("snapshot" in v for k, v in ckpt["state_dict"].items() if k.endswith("_extra_state"))
+    model = DLRMModule.load_from_checkpoint(path, storage=StorageConfig(device_rows=150, host_rows=0,
+                                                                        ssd_dir=str(ssd_dir)))
+    collection = next(m for m in model.modules() if isinstance(m, TieredEmbeddingBagCollection))
     rows = {}
-    # The table collection is reachable under two names (the model's and torchrec DLRM's).
-    for key in [k for k in state if k.endswith("_extra_state")]:
-        for name, table in state.pop(key)["tables"].items():
-            order = torch.argsort(table["ids"])  # rows are stored in tier order, not id order
-            rows[f"{key}/{name}"] = (table["ids"][order], table["rows"][order], table["steps"])
+    for name, table in collection._built().export().items():
+        order = torch.argsort(table["ids"])  # rows are stored in tier order, not id order
+        rows[name] = (table["ids"][order], table["rows"][order], table["steps"])
     assert rows
     return {"dense": state, "rows": rows, "optimizer": ckpt["optimizer_states"]}
 
@@ -109,5 +116,6 @@ def test_cli_fit_ckpt_path_last_after_sigkill_is_bit_exact(tmp_path, killer):
     run_dir = tmp_path / "runs" / "run"
     assert sorted(p.name for p in run_dir.iterdir()) == ["version_0"]
     assert "Restored all states from the checkpoint" in resumed.stdout + resumed.stderr
-    _assert_bit_equal(_final_state(tmp_path / "runs" / "full" / "version_0" / "checkpoints" / "last.ckpt"),
-                      _final_state(run_dir / "version_0" / "checkpoints" / "last.ckpt"))
+    _assert_bit_equal(_final_state(tmp_path / "runs" / "full" / "version_0" / "checkpoints" / "last.ckpt",
+                                   tmp_path / "ssd" / "read_full"),
+                      _final_state(run_dir / "version_0" / "checkpoints" / "last.ckpt", tmp_path / "ssd" / "read_run"))
