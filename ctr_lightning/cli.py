@@ -12,6 +12,7 @@ from pathlib import Path
 from argparse import RawDescriptionHelpFormatter
 from typing import Any
 
+import torch
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, ProgressBar
@@ -27,6 +28,7 @@ from ctr_lightning.datamodules import (
     SyntheticStreamDataModule,
 )
 from ctr_lightning.models import MODELS, CTRModule, DLRMModule
+from ctr_lightning.models.ctr_module import MODEL_CLASS_KEY
 
 DEMO_HINT = """ctr-lightning: nothing to train on. Start from a config:
 
@@ -67,11 +69,93 @@ class CTRLightningCLI(LightningCLI):
         # A config's model: section without a class_path is a DLRM's, as before other models came.
         parser.set_defaults({"model": {"class_path": f"{DLRMModule.__module__}.{DLRMModule.__qualname__}"}})
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        # What the command line itself said: it wins over a checkpoint's hyper-parameters.
+        self.command_line = list(args) if isinstance(args, (list, tuple)) else sys.argv[1:] if args is None else []
+        super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        """The model of a resumed or loaded checkpoint, whether ``--ckpt_path`` names a file or ``last``.
+
+        As Lightning does, the checkpoint's hyper-parameters replace the config's, so a
+        checkpoint loads into the model it was saved from. Unlike Lightning, what the
+        command line says of the model (``--model.storage.ssd_dir NEW``, a new learning
+        rate) is applied after them and wins, and a model class the user named that is not
+        the checkpoint's is an error naming both, instead of a run of the checkpoint's class.
+        ``fit --ckpt_path last`` is first resolved to the newest run's ``last*.ckpt``
+        (:func:`continue_last_run`), so both spellings behave the same.
+        """
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        config = self.config[subcommand]
+        if subcommand == "fit":
+            continue_last_run(config)
+        path = config.get("ckpt_path")
+        if not path or not Path(path).is_file():
+            return  # "best", "hpc", nothing, or a path Lightning reports missing itself
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        hparams = dict(checkpoint.get("hyper_parameters") or {})
+        hparams.pop("_instantiator", None)
+        saved = hparams.pop("_class_path", None) or checkpoint.get(MODEL_CLASS_KEY)
+        named = self._named_model_class(subcommand)
+        if saved is not None and named is not None and _class_name(saved) != _class_name(named):
+            raise CheckpointMismatchError(
+                f"--ckpt_path {path} holds a {_class_name(saved)} ({saved}), but this run asks for "
+                f"{_class_name(named)} ({named}); name the checkpoint's model (--model {_class_name(saved)}) or "
+                "start a new run without --ckpt_path")
+        given = _model_arguments(self.command_line)
+        if hparams:
+            # The checkpoint's model replaces the config's whole. Its mappings (the storage)
+            # go as options set to null first: merged into a value parsed from the config,
+            # jsonargparse would mix two spellings of a StorageConfig and fail.
+            mappings = {k: v for k, v in hparams.items() if isinstance(v, dict)}
+            config["model"] = None
+            self.config = self.parser.parse_object({subcommand: {"model": {
+                "class_path": saved or self.parser.get_defaults()[f"{subcommand}.model"]["class_path"],
+                "init_args": {k: v for k, v in hparams.items() if k not in mappings}}}}, self.config)
+            given = [a for k, v in mappings.items() for a in (f"--model.{k}", "null", f"--model.{k}", json.dumps(v))
+                     ] + given
+        if given:
+            self.config = self.parser.parse_args([subcommand, *given], namespace=self.config)
+
+    def _named_model_class(self, subcommand: str) -> str | None:
+        """The model class the config files or the command line name, None where only the
+        default (DLRM) stands: then the checkpoint's class is taken."""
+        default = self.parser.get_defaults().get(f"{subcommand}.model")
+        named = (self.config[subcommand].get("model") or {}).get("class_path")
+        default_class = default.get("class_path") if hasattr(default, "get") else None
+        if named is None or named != default_class:
+            return named
+        for i, arg in enumerate(self.command_line):  # the default, named as such
+            if arg in ("--model", "--model.class_path") and i + 1 < len(self.command_line):
+                if not self.command_line[i + 1].lstrip().startswith("{"):
+                    return named
+            if arg.startswith(("--model=", "--model.class_path=")) and not arg.split("=", 1)[1].startswith("{"):
+                return named
+        for config_file in _config_files(self.command_line):
+            section = (config_file.get(subcommand) or config_file).get("model") if isinstance(config_file, dict) else None
+            if isinstance(section, dict) and section.get("class_path"):
+                return named
+        return None
+
     def before_instantiate_classes(self) -> None:
-        if self.subcommand == "fit":
-            continue_last_run(self.config["fit"])
         if self.subcommand == "predict" and self.config["predict"].get("return_predictions") is None:
             self.config["predict"]["return_predictions"] = False  # the ScoreWriter has them; memory stays flat
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            # jsonargparse reports a model that refused to be built (a full or locked SSD
+            # directory, a bad table setting) as "Does not validate against any of the Union
+            # subtypes", with the refusal in its text: raise the refusal itself.
+            cause = error.__cause__
+            while cause is not None and cause.__cause__ is not None and _from_jsonargparse(cause):
+                cause = cause.__cause__
+            if cause is None or _from_jsonargparse(cause):
+                raise
+            raise cause from None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         configured = config.get("callbacks") or []
@@ -86,36 +170,106 @@ class CTRLightningCLI(LightningCLI):
         return super()._instantiate_trainer(config, [*callbacks, *extra])
 
 
+class CheckpointMismatchError(ValueError):
+    """``--ckpt_path`` holds another model class than the one the run names."""
+
+
 def continue_last_run(config: Any) -> None:
     """``fit --ckpt_path last`` resumes the newest run of the configured logger, in its own
-    log directory.
+    log directory, from that run's newest ``last*.ckpt``.
 
     Lightning looks for ``last.ckpt`` in the checkpoint directory of *this* run, which for
     a logger with automatic versions is a new, empty ``version_N``, so a resume would
     quietly start from scratch. Here the logger's version is set to the newest earlier
     version that holds a ``last*.ckpt`` (when none is set and no ModelCheckpoint names its
-    own ``dirpath``): Lightning then finds that checkpoint, and the resumed run logs on
-    into the same TensorBoard directory.
+    own ``dirpath``), and ``ckpt_path`` becomes that file: the resumed run logs on into the
+    same TensorBoard directory, and loads as ``--ckpt_path FILE`` would. Where no checkpoint
+    is found, one line says so and the run starts fresh, in the newest run directory when
+    that one never reached a checkpoint (a run killed early), so no directory is left
+    behind for each retry.
     """
     if config.get("ckpt_path") != "last":
         return
     trainer = config.get("trainer") or {}
+    for callback in trainer.get("callbacks") or []:
+        dirpath = (callback.get("init_args") or {}).get("dirpath") if hasattr(callback, "get") else None
+        if "ModelCheckpoint" in str(callback.get("class_path", "")) and dirpath:
+            # Checkpoints in a fixed directory: the newest last*.ckpt there, as Lightning picks it.
+            _resume_from(config, sorted(Path(dirpath).glob("last*.ckpt"), key=lambda p: p.stat().st_mtime),
+                         Path(dirpath))
+            return
     logger = trainer.get("logger")
     if not hasattr(logger, "get") or logger.get("init_args") is None:
         return  # no logger, several loggers, or True (Lightning's default, which resolves its own)
     args = logger["init_args"]
     if args.get("version") is not None or args.get("save_dir") is None:
         return
-    for callback in trainer.get("callbacks") or []:
-        if "ModelCheckpoint" in str(callback.get("class_path", "")) and (callback.get("init_args") or {}).get("dirpath"):
-            return  # checkpoints in a fixed directory: Lightning finds last.ckpt there itself
     runs = Path(args["save_dir"]) / (args.get("name") or "")
-    versions = [(int(m.group(1)), d) for d in runs.glob("version_*")
-                if (m := re.fullmatch(r"version_(\d+)", d.name)) and any((d / "checkpoints").glob("last*.ckpt"))]
-    if versions:
-        version = max(versions)[0]
+    versions = sorted((int(m.group(1)), d) for d in runs.glob("version_*")
+                      if (m := re.fullmatch(r"version_(\d+)", d.name)) and d.is_dir())
+    with_last = [(v, d) for v, d in versions
+                 if any((d / "checkpoints").glob("last*.ckpt"))]
+    if with_last:
+        version, run = with_last[-1]
         args["version"] = version
-        rank_zero_info(f"--ckpt_path last: resuming {runs / f'version_{version}'}, logging on into it")
+        rank_zero_info(f"--ckpt_path last: resuming {run}, logging on into it")
+        _resume_from(config, sorted((run / "checkpoints").glob("last*.ckpt"), key=lambda p: p.stat().st_mtime), run)
+        return
+    _resume_from(config, [], runs)
+    if versions and not any((versions[-1][1] / "checkpoints").glob("*.ckpt")):
+        args["version"] = versions[-1][0]  # the newest run never reached a checkpoint: start it again
+        rank_zero_info(f"--ckpt_path last: starting afresh in {versions[-1][1]}, which holds no checkpoint")
+
+
+def _resume_from(config: Any, candidates: list[Path], where: Path) -> None:
+    if candidates:
+        config["ckpt_path"] = str(candidates[-1])
+    else:
+        config["ckpt_path"] = None  # not Lightning's hint to set save_last, which may well be set
+        rank_zero_info(f"--ckpt_path last: no checkpoint found under {where}; the run starts fresh")
+
+
+def _model_arguments(command_line: list[str]) -> list[str]:
+    """The ``--model...`` options of a command line, each with its value."""
+    out: list[str] = []
+    for i, arg in enumerate(command_line):
+        name = arg.split("=", 1)[0]
+        if name != "--model" and not name.startswith("--model."):
+            continue
+        if "=" in arg:
+            out.append(arg)
+        elif i + 1 < len(command_line):
+            out += [arg, command_line[i + 1]]
+    return out
+
+
+def _config_files(command_line: list[str]) -> list[Any]:
+    """The contents of the ``--config`` files a command line names (unreadable ones left
+    out: the parser has reported them already)."""
+    import yaml
+
+    out = []
+    for i, arg in enumerate(command_line):
+        value = arg.split("=", 1)[1] if arg.startswith("--config=") else (
+            command_line[i + 1] if arg in ("--config", "-c") and i + 1 < len(command_line) else None)
+        if value is not None and Path(value).is_file():
+            try:
+                out.append(yaml.safe_load(Path(value).read_text()))
+            except (OSError, yaml.YAMLError):
+                continue
+    return out
+
+
+def _from_jsonargparse(error: BaseException) -> bool:
+    """Whether an exception was raised by jsonargparse itself, not by the code it called."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and "jsonargparse" in tb.tb_frame.f_code.co_filename
+
+
+def _class_name(class_path: str) -> str:
+    return class_path.rsplit(".", 1)[-1]
 
 
 def _datamodule_help() -> str:
@@ -237,14 +391,18 @@ def main(args: list[str] | None = None) -> None:
         sys.argv[1:] = _storage_args(argv)  # LightningCLI warns when given args beside sys.argv
     else:
         args = _storage_args(list(args))
-    CTRLightningCLI(
-        CTRModule,
-        LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+    try:
+        CTRLightningCLI(
+            CTRModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            save_config_kwargs={"overwrite": True},
+            args=args,
+        )
+    except CheckpointMismatchError as error:
+        print(f"ctr-lightning: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
