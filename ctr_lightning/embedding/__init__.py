@@ -2,7 +2,7 @@
 
 from ctr_lightning.embedding.fused import FusedEmbeddingBagCollection
 from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig, plan_storage
-from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
+from ctr_lightning.embedding.tiered import GatheringSsdRowsError, TieredEmbeddingBagCollection
 from ctr_lightning.embedding.working_set_prefetcher import WorkingSetPrefetcher
 from ctr_lightning.embedding.sharding_plan import TableSharding, plan_sharding
 from ctr_lightning.embedding.optimizers import (
@@ -16,6 +16,7 @@ from ctr_lightning.embedding.optimizers import (
 __all__ = [
     "AutoStorage",
     "FusedEmbeddingBagCollection",
+    "GatheringSsdRowsError",
     "RowWiseAdagrad",
     "SparseAdagrad",
     "SparseAdam",

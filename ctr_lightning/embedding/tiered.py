@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,6 +36,12 @@ if TYPE_CHECKING:
     from ctr_lightning.topology.auto_placement import Placement
 
 DEFAULT_SYNC_EVERY = 16
+
+
+class GatheringSsdRowsError(RuntimeError):
+    """A state dict would gather into memory the rows an SSD tier holds (tables meant to be
+    larger than memory), and nobody asked for that: checkpoints of such tables go to table
+    snapshots, or whole rows are asked for with ``checkpoint_to_snapshots(None)``."""
 
 
 class TieredEmbeddingBagCollection(nn.Module):
@@ -153,9 +158,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._snapshot_root: Path | None = None
         self._link_segments = True  # snapshots hard-link sealed SSD segments (else copy their rows)
         # Whole rows in the state dict asked for (checkpoint_to_snapshots(None)): an SSD tier
-        # is then neither switched to snapshots by default nor warned about.
+        # is then neither switched to snapshots by default nor refused.
         self._whole_rows_asked = False
-        self._warned_gathering = False
         self._version = 0  # counts changes of the rows: one snapshot serves one state
         self._snapshot: tuple[int, dict[str, Any]] | None = None  # (version, its reference)
         self.snapshots_written: list[Path] = []  # by this process: TableSnapshots may delete them
@@ -462,15 +466,15 @@ class TieredEmbeddingBagCollection(nn.Module):
                                                   "manifest_sha256": manifest.sha256()})
             return dict(self._snapshot[1])
         engine = self._built()  # first: under storage auto, only the plan says whether there is an SSD tier
-        if self.gathers_ssd_rows and not self._warned_gathering:
-            self._warned_gathering = True
-            warnings.warn(f"{type(self).__name__}: this state dict gathers every row of tables "
-                          f"{[t.name for t in self._tables]} into memory, those an SSD tier holds too; a table "
-                          f"larger than memory cannot be saved so. For checkpoints that stream the rows to table "
-                          f"snapshots, add ctr_lightning.callbacks.TableSnapshots() to the Trainer's callbacks, or "
-                          f"return ctr_lightning.callbacks.table_snapshots_by_default(self) from the LightningModule's "
-                          f"configure_callbacks (CTRModule models do); checkpoint_to_snapshots(None) asks for whole "
-                          f"rows and silences this.", stacklevel=2)
+        if self.gathers_ssd_rows:
+            raise GatheringSsdRowsError(
+                f"{type(self).__name__}: a state dict of tables {[t.name for t in self._tables]} would gather into "
+                f"memory every row their SSD tier holds (a table larger than memory cannot be saved so: the process "
+                f"would be killed). Add ctr_lightning.callbacks.TableSnapshots() to the Trainer's callbacks "
+                f"(checkpoints then stream the rows to table snapshots), or return "
+                f"ctr_lightning.callbacks.table_snapshots_by_default(self) from the LightningModule's "
+                f"configure_callbacks (CTRModule models do), or call checkpoint_to_snapshots(None) on the collection "
+                f"to gather whole rows on purpose.")
         # Per table, whatever the sharding: a checkpoint loads into any number of ranks.
         # When sharded this is collective (Lightning builds checkpoints on every rank). The
         # widths go along for readers of the file alone (export: rows hold optimizer state too).

@@ -7,6 +7,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding import (
+    GatheringSsdRowsError,
     RowWiseAdagrad,
     SparseAdagrad,
     SparseAdam,
@@ -162,6 +163,7 @@ def test_untouched_rows_are_stored_nowhere_and_deterministic(tmp_path):
                                                   values=torch.tensor([10**12, 5, 6, 7]),
                                                   lengths=torch.tensor([1, 1, 1, 1]))
         ebc(kjt)
+    ebc.checkpoint_to_snapshots(None)  # whole rows in the state dict, asked for
     state = ebc.get_extra_state()
     assert sum(len(t["ids"]) for t in state["tables"].values()) == 0  # looked up, never trained: not stored
 
@@ -183,6 +185,9 @@ def test_checkpoint_round_trip(tmp_path):
     train(a, 10)
     b = TieredEmbeddingBagCollection(TABLES, storage=tiny_tiers(tmp_path / "b"), optimizer=SparseAdam(lr=0.05))
     path = tmp_path / "ebc.pt"
+    with pytest.raises(GatheringSsdRowsError, match=r"tables \['t0', 't1', 't2'\] would gather into memory"):
+        a.state_dict()  # an SSD tier's rows are not gathered unless asked for
+    a.checkpoint_to_snapshots(None)
     torch.save(a.state_dict(), path)
     b.load_state_dict(torch.load(path, weights_only=False))
     for kjt, target in workload(5, 5):

@@ -15,7 +15,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.callbacks import TableSnapshots, table_snapshots_by_default
 from ctr_lightning.datamodules import CriteoDataModule, write_synthetic_criteo
-from ctr_lightning.embedding import SparseSGD, StorageConfig, TieredEmbeddingBagCollection
+from ctr_lightning.embedding import GatheringSsdRowsError, SparseSGD, StorageConfig, TieredEmbeddingBagCollection
 from ctr_lightning.models import DLRMModule
 
 from .test_damaged_and_moved_checkpoints import rows_of
@@ -78,7 +78,7 @@ def test_a_plain_model_checkpoint_streams_ssd_tables_to_a_snapshot_and_resumes(t
 
 
 @pytest.mark.parametrize("case", ["in_memory", "own_table_snapshots", "whole_rows_asked"])
-def test_other_choices_are_left_as_they_are(tmp_path, data, case, recwarn):
+def test_other_choices_are_left_as_they_are(tmp_path, data, case):
     module = dlrm(None if case == "in_memory" else StorageConfig(device_rows=150, host_rows=0,
                                                                   ssd_dir=str(tmp_path / "ssd")))
     own = [TableSnapshots(full_every=1)] if case == "own_table_snapshots" else []
@@ -88,7 +88,6 @@ def test_other_choices_are_left_as_they_are(tmp_path, data, case, recwarn):
     assert [c for c in trainer.callbacks if isinstance(c, TableSnapshots)] == own
     states = extra_states(tmp_path / "ckpt" / "last.ckpt")
     assert all(("snapshot" in s) == (case == "own_table_snapshots") for s in states)
-    assert not [w for w in recwarn if "gathers every row" in str(w.message)]
 
 
 class OwnModel(pl.LightningModule):
@@ -113,7 +112,7 @@ class OwnModel(pl.LightningModule):
 
 
 @pytest.mark.parametrize("snapshots_by_default", [True, False], ids=["configure_callbacks", "plain"])
-def test_a_users_own_module_gets_snapshots_from_configure_callbacks_or_is_warned(tmp_path, snapshots_by_default):
+def test_a_users_own_module_gets_snapshots_from_configure_callbacks_or_is_refused(tmp_path, snapshots_by_default):
     batches = [KeyedJaggedTensor.from_lengths_sync(keys=["f0"], values=torch.arange(8) + 8 * step,
                                                    lengths=torch.ones(8, dtype=torch.int32)) for step in range(4)]
     module = OwnModel(str(tmp_path / "ssd"), snapshots_by_default)
@@ -125,8 +124,10 @@ def test_a_users_own_module_gets_snapshots_from_configure_callbacks_or_is_warned
         [state] = extra_states(next((tmp_path / "ckpt").glob("*.ckpt")))
         assert "snapshot" in state
     else:
-        with pytest.warns(UserWarning, match=r"gathers every row of tables \['t0'\] into memory.*add "
-                                             r"ctr_lightning.callbacks.TableSnapshots\(\)"):
+        # Refused at the first save, before any row is gathered: no .ckpt is written.
+        with pytest.raises(GatheringSsdRowsError, match=r"tables \['t0'\] would gather into memory every row their "
+                                                        r"SSD tier holds.*TableSnapshots\(\)"):
             trainer.fit(module, DataLoader(batches, batch_size=None))
-        [state] = extra_states(next((tmp_path / "ckpt").glob("*.ckpt")))
-        assert "tables" in state
+        assert not list((tmp_path / "ckpt").glob("*.ckpt"))
+        module.tables.checkpoint_to_snapshots(None)  # whole rows, asked for
+        assert set(module.tables.state_dict()["_extra_state"]["tables"]) == {"t0"}

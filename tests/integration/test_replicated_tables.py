@@ -52,6 +52,7 @@ for s in range(steps):
         with torch.inference_mode():  # as Lightning validates (but on gloo); the next steps still train
             torch.save(ebc(batch(EVALUATED)).values(), os.path.join(out_dir, f"{label}_eval{rank}.pt"))
         ebc.train()
+ebc.checkpoint_to_snapshots(None)  # whole rows in the state dict, asked for
 state = ebc.get_extra_state()  # collective: merges what is pending, gathers the shards
 if rank == 0:
     torch.save({"state": state, "bytes": ebc.comm_bytes(), "stats": ebc.tier_stats()},
@@ -113,6 +114,7 @@ def test_owners_average_the_deltas_of_the_ranks_that_touched_a_row(tmp_path, run
                 for f, t in (("f0", "t0"), ("f1", "t1")):
                     seen[t] |= set(kjt[f].values().tolist())
                 step(ebc, kjt)
+            ebc.checkpoint_to_snapshots(None)
             results.append(ebc.get_extra_state()["tables"])
             touched.append(seen)
         new_state = {}
@@ -164,6 +166,7 @@ ebc = collection()
 for s in range(9):
     step(ebc, batch(100 * rank + s))
 resumed = collection()
+ebc.checkpoint_to_snapshots(None)
 resumed.set_extra_state(ebc.get_extra_state())  # a checkpoint after step 9, between merges
 for s in range(9, 11):  # steps 10 and 11: local steps 6 and 7 of the k-step phase, no merge due
     step(resumed, batch(100 * rank + s))

@@ -60,6 +60,7 @@ for label, kind in KINDS.items():
     seen = {t.name: sorted({int(i) for s in range(STEPS) for f, v in zip(["f0", "f1", "f2", "f3"], global_batch(s)[1])
                             if f in t.feature_names for i in v}) for t in TABLES}
     rows = {name: ebc.rows(name, ids) for name, ids in seen.items()}  # collective when sharded
+    ebc.checkpoint_to_snapshots(None)  # whole rows in the state dict, asked for
     state = ebc.get_extra_state()  # collective too: every rank gets all shards
     # What this rank's own tables hold, read without a collective (replicas: the whole table).
     own = {name: ebc.rows(name, torch.tensor(ids)) for name, ids in seen.items()

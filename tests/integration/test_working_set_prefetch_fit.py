@@ -39,6 +39,8 @@ def test_prefetch_in_a_fit_changes_nothing_but_the_waiting(criteo_sample, tmp_pa
     assert sum(step["prefetch/bytes_read"] for step in logged[:36]) > 0  # the first epoch reads ahead too
     for a, b in zip(plain.dense_parameters(), model.dense_parameters()):
         assert torch.equal(a, b)
+    plain.embeddings.checkpoint_to_snapshots(None)  # whole rows, asked for
+    model.embeddings.checkpoint_to_snapshots(None)
     want, got = plain.embeddings.get_extra_state()["tables"], model.embeddings.get_extra_state()["tables"]
     for t in want:  # every trained row and its Adam state, bit for bit
         order_w, order_g = torch.argsort(want[t]["ids"]), torch.argsort(got[t]["ids"])
@@ -69,6 +71,7 @@ for lookahead in (0, 4):
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, callbacks=[WorkingSetPrefetch(lookahead)] if lookahead else [])
     trainer.fit(model, datamodule=dm)
+    model.embeddings.checkpoint_to_snapshots(None)  # whole rows, asked for
     state = model.embeddings.get_extra_state()["tables"]  # collective: every shard's rows
     stats = model.embeddings.tier_stats()
     if trainer.global_rank == 0:

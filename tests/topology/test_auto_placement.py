@@ -47,6 +47,7 @@ def test_restored_rows_wait_for_the_plan_made_at_the_start_of_fit(tmp_path):
     trained(kjt).values().sum().backward()
     restored = TieredEmbeddingBagCollection(_tables(5000), storage=AutoStorage(ssd_dirs=(str(tmp_path / "b"),),
                                                                                reserve_bytes=0))
+    trained.checkpoint_to_snapshots(None)  # whole rows in the state dict, asked for
     restored.load_state_dict(trained.state_dict())
     assert restored.placement is None
     placement = restored.plan_placement(batch_size=64)
@@ -88,6 +89,7 @@ def test_a_waiting_restore_that_fails_fails_every_use_and_survives_a_copy(tmp_pa
         _tables(5000), storage=AutoStorage(ssd_dirs=(str(tmp_path / "b"),), reserve_bytes=0))
     # Rows in the checkpoint: a deep copy taken while they wait restores them itself.
     waiting = fresh()
+    trained.checkpoint_to_snapshots(None)
     waiting.load_state_dict(trained.state_dict())
     assert torch.equal(copy.deepcopy(waiting).rows("t0", ids), trained.rows("t0", ids))
     # A snapshot whose row files are gone after the checkpoint was read: each use raises.
