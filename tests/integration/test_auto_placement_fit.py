@@ -131,6 +131,8 @@ def test_resumed_fit_plans_with_its_data_then_restores_the_rows(tmp_path, snapsh
                              default_root_dir=tmp_path, enable_progress_bar=False, enable_model_summary=False,
                              num_sanity_val_steps=0, limit_val_batches=0,
                              callbacks=[TableSnapshots()] if snapshots else None)
+        if not snapshots:
+            model.embeddings.checkpoint_to_snapshots(None)  # every row in the .ckpt, asked for
         trainer.fit(model, datamodule=dm, ckpt_path=ckpt_path)
         return model, trainer
 

@@ -38,6 +38,8 @@ def test_an_export_scores_a_batch_as_the_trained_model_does(tmp_path, snapshots)
     callbacks = [ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_last=True)]
     if snapshots:
         callbacks.append(TableSnapshots())
+    else:
+        model.embeddings.checkpoint_to_snapshots(None)  # every row in the .ckpt, asked for
     pl.Trainer(accelerator="cpu", max_steps=20, logger=False, enable_progress_bar=False, enable_model_summary=False,
                callbacks=callbacks, default_root_dir=tmp_path).fit(
         model, datamodule=CriteoDataModule(train_paths=[str(train)], batch_size=64))
@@ -83,6 +85,8 @@ def test_an_export_keeps_the_first_order_column_of_a_deepfm(tmp_path, snapshots)
     train = write_synthetic_criteo(tmp_path / "train.tsv", rows=5 * 64, seed=0)
     model = DeepFMModule(embedding_dim=8, num_embeddings=5000, deep_layer_sizes=[8])
     callbacks = [ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)] + ([TableSnapshots()] if snapshots else [])
+    if not snapshots:
+        model.embeddings.checkpoint_to_snapshots(None)  # every row in the .ckpt, asked for
     pl.Trainer(accelerator="cpu", max_steps=5, logger=False, enable_progress_bar=False, enable_model_summary=False,
                callbacks=callbacks, default_root_dir=tmp_path).fit(
         model, datamodule=CriteoDataModule(train_paths=[str(train)], batch_size=64))
