@@ -94,12 +94,66 @@ def test_fm_interaction_is_the_sum_over_pairs_of_inner_products():
     torch.testing.assert_close(fm_interaction(v), pairs)
 
 
+def pooled_rows(model: CTRModule, batch: Batch) -> torch.Tensor:
+    """Each example's sum of its feature's rows, ``[B, F, row width]``, read one id at a
+    time from the tables: the reference for what the models pool."""
+    size, out = len(batch), []
+    for name in FEATURES:
+        jagged = batch.sparse[name]
+        rows = [model.embeddings.rows(f"t_{name}", ids).sum(0) if len(ids) else None
+                for ids in jagged.values().split(jagged.lengths().tolist())]
+        width = next(r for r in rows if r is not None).shape[-1]
+        out.append(torch.stack([r if r is not None else torch.zeros(width) for r in rows]))
+    assert out[0].shape[0] == size
+    return torch.stack(out, dim=1)
+
+
+def cross_layers(model: DCNv2Module, x0: torch.Tensor) -> torch.Tensor:
+    """DCN-v2's cross network, written out: x_{l+1} = x0 * (W_l x_l + b_l) + x_l, with
+    W_l = U_l V_l when low-rank (Wang et al., 2021, eq. 1)."""
+    cross, x = model.cross, x0
+    for layer in range(len(cross.bias)):
+        if hasattr(cross, "kernels"):
+            w = cross.kernels[layer]
+        else:
+            w = cross.W_kernels[layer] @ cross.V_kernels[layer]
+        x = x0 * (x @ w.T + cross.bias[layer].view(-1)) + x
+    return x
+
+
 @pytest.mark.parametrize("structure", ["parallel", "stacked", "crossnet_only"])
 @pytest.mark.parametrize("low_rank", [None, 4])
-def test_dcn_v2_structures(structure, low_rank):
+def test_dcn_v2_is_the_cross_network_formula_under_each_structure(structure, low_rank):
+    torch.manual_seed(3)
     model = build(DCNv2Module, structure=structure, low_rank=low_rank, cross_layers=2, deep_layer_sizes=[16])
+    with torch.no_grad():
+        for p in model.cross.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)  # torchrec starts the bias at 0: make every term count
     assert (model.deep is None) == (structure == "crossnet_only")
-    assert model(multi_hot_batch(4)).shape == (64,)
+    batch = multi_hot_batch(4)
+    with torch.no_grad():
+        dense_vectors = batch.dense.unsqueeze(-1) * model.inputs.dense_embedding.weight  # [B, 4, 8]
+        x0 = torch.cat([dense_vectors, pooled_rows(model, batch)], dim=1).flatten(1)
+        crossed = cross_layers(model, x0)
+        top = {"parallel": lambda: torch.cat([crossed, model.deep(x0)], dim=1),
+               "stacked": lambda: model.deep(crossed), "crossnet_only": lambda: crossed}[structure]()
+        want = top @ model.out.weight.T + model.out.bias
+        torch.testing.assert_close(model(batch), want.squeeze(-1))
+
+
+def test_wide_and_deep_is_a_logistic_regression_plus_the_deep_logit():
+    torch.manual_seed(4)
+    model = build(WideDeepModule, deep_layer_sizes=[16])
+    with torch.no_grad():
+        model.wide.bias.fill_(0.7)
+        model.wide.dense.weight.copy_(torch.randn_like(model.wide.dense.weight))
+    batch = multi_hot_batch(6)
+    with torch.no_grad():
+        rows = pooled_rows(model, batch)  # [B, F, 8 + 1]: the last column is the feature's wide weight
+        wide = 0.7 + batch.dense @ model.wide.dense.weight.squeeze(0) + rows[..., 8].sum(1)
+        dense_vectors = batch.dense.unsqueeze(-1) * model.inputs.dense_embedding.weight
+        deep = model.deep(torch.cat([dense_vectors, rows[..., :8]], dim=1).flatten(1)).squeeze(-1)
+        torch.testing.assert_close(model(batch), wide + deep)
 
 
 @pytest.mark.parametrize("model_class", [DCNv2Module, DeepFMModule, WideDeepModule], ids=lambda c: c.__name__)
