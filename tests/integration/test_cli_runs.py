@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -59,13 +60,37 @@ def _fit_shipped_config(main, config, train, val, tmp_path) -> set[str]:
     return set(events.Tags()["scalars"])
 
 
+def _mann_whitney_auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """P(score of a click > score of a non-click), ties counting 1/2, over every pair."""
+    pos, neg = scores[labels == 1], scores[labels == 0]
+    return float(((pos[:, None] > neg[None, :]).sum() + 0.5 * (pos[:, None] == neg[None, :]).sum())
+                 / (len(pos) * len(neg)))
+
+
+def _check_logged_auc(main, config, val, tmp_path) -> None:
+    """The run's last val/auc is the AUC of its last checkpoint's scores on the validation
+    file, computed here from ``predict``'s output over every pair of records."""
+    (run,) = (tmp_path / "runs").glob("*/version_0")
+    events = EventAccumulator(str(run))
+    events.Reload()
+    logged = events.Scalars("val/auc")[-1].value
+    main(["predict", "--config", config, "--data.predict_paths", f"[{val}]", "--data.batch_size", "256",
+          "--data.num_workers", "0", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"),
+          "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path / "pred")])
+    table = np.loadtxt(tmp_path / "pred" / "predictions" / "scores-rank00000.tsv", skiprows=1, ndmin=2)
+    assert 0.0 < logged <= 1.0
+    assert abs(_mann_whitney_auc(table[:, 1], table[:, 2]) - logged) < 1e-4, logged
+
+
 def test_shipped_avazu_config_trains(tmp_path, avazu_sample, in_process):
     assert "val/auc" in _fit_shipped_config(in_process, "configs/avazu.yaml", avazu_sample, avazu_sample, tmp_path)
+    _check_logged_auc(in_process, "configs/avazu.yaml", avazu_sample, tmp_path)
 
 
 def test_shipped_criteo_config_trains(tmp_path, criteo_sample, in_process):
     scalars = _fit_shipped_config(in_process, "configs/criteo.yaml", criteo_sample.head, criteo_sample.head, tmp_path)
     assert "val/auc" in scalars  # (8 steps: fewer than log_every_n_steps, so no train/loss)
+    _check_logged_auc(in_process, "configs/criteo.yaml", criteo_sample.head, tmp_path)
 
 
 @pytest.mark.slow
@@ -111,4 +136,25 @@ def test_each_model_config_trains_and_its_checkpoint_predicts(tmp_path, in_proce
     lines = (tmp_path / "pred" / "predictions" / "scores-rank00000.tsv").read_text().splitlines()
     assert lines[0] == "row\tlabel\tscore" and len(lines) == 501
     assert [int(line.split("\t")[0]) for line in lines[1:]] == list(range(500))
-    assert all(0.0 < float(line.split("\t")[2]) < 1.0 for line in lines[1:])
+    # The scores are the checkpoint's model's own, record by record (a wrong checkpoint, a
+    # model left untrained or rows out of order would not be).
+    import torch
+
+    from ctr_lightning.datamodules import CriteoDataModule
+    from ctr_lightning.models import MODELS
+
+    model_class = next(m for m in MODELS if m.__name__ == {"dcnv2": "DCNv2Module", "deepfm": "DeepFMModule",
+                                                           "wide_deep": "WideDeepModule"}[config])
+    model = model_class.load_from_checkpoint(run / "checkpoints" / "last.ckpt").eval()
+    dm = CriteoDataModule(predict_paths=[str(val)], batch_size=128, num_workers=0)
+    dm.setup("predict")
+    with torch.no_grad():
+        batches = list(dm.predict_dataloader())
+        want = torch.cat([torch.sigmoid(model(b)) for b in batches]).numpy()
+    labels = torch.cat([b.labels for b in batches]).numpy()
+    got = [line.split("\t") for line in lines[1:]]
+    assert [float(g[1]) for g in got] == labels.tolist()
+    np.testing.assert_allclose([float(g[2]) for g in got], want, rtol=1e-6, atol=0)
+    untrained = torch.sigmoid(model_class(**{k: v for k, v in model.hparams.items() if not k.startswith("_")})(
+        batches[0])).detach().numpy()
+    assert np.abs(untrained - want[:128]).max() > 1e-3  # the check can tell a trained model from a fresh one
