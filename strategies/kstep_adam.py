@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ctr_lightning.strategies.adam_moments import ParamMoments, adopt, agree_moments
 from ctr_lightning.strategies.checkpoint_merge import CheckpointMerge
 from ctr_lightning.strategies.hierarchical_average import HierarchicalAverage
 from ctr_lightning.strategies.kstep_monitor import KStepMonitor
@@ -26,8 +33,8 @@ from ctr_lightning.strategies.overlapped_merge import OverlappedMerge
 
 Mode = Literal["all", "node"]
 MomentDtype = Literal["bfloat16", "float32"]
-_ADAM_STATE = ("exp_avg", "exp_avg_sq")
 _MOMENT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+_DDP_COMM_HOOK_ARGUMENTS = frozenset({"ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper"})
 
 
 class KStepAdamStrategy(DDPStrategy):
@@ -48,6 +55,16 @@ class KStepAdamStrategy(DDPStrategy):
     inside the node, over flat buckets of ``bucket_bytes``. ``k=1`` is synchronous data
     parallel training: gradients are averaged over all ranks before every step, as DDP
     does. The first ``warmup_steps`` steps are synchronous too.
+
+    Parameters that get no gradient on some ranks (data-dependent branches, a tower some
+    batches skip) are handled as DDP with ``find_unused_parameters=True`` handles them:
+    every per-step average covers each parameter that any rank has a gradient for, a
+    missing one counting as zero, and a parameter no rank has one for keeps none (Adam
+    skips it). ``k=1`` then equals DDP step for step. Merges average every parameter,
+    and Adam's moments of each parameter any rank has stepped, zeros where a rank has
+    not (see :class:`ParamMoments`). ``find_unused_parameters`` is accepted and changes
+    nothing; the arguments that configure DDP's model wrapper (``ddp_comm_hook``,
+    ``model_averaging_period``, ``static_graph``...) are refused: there is no wrapper.
 
     Parameters are averaged exactly, in float32. Adam's moments travel (and are summed)
     as ``moment_dtype``, bfloat16 by default, which cuts a merge from three model-sized
@@ -103,9 +120,26 @@ class KStepAdamStrategy(DDPStrategy):
         bucket_bytes: int = 25 << 20,
         overlap: bool = False,
         moment_dtype: MomentDtype = "bfloat16",
-        **kwargs: Any,
+        find_unused_parameters: bool = True,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **ddp_arguments: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        # find_unused_parameters: either value is handled as DDP's True (see above); False
+        # would only spare DDP a graph traversal this strategy never makes. DDPStrategy's
+        # other arguments are listed, not passed through **kwargs, so that LightningCLI does
+        # not offer (and fill in) the DDP wrapper's arguments, which are refused here.
+        _refuse_ddp_arguments(ddp_arguments)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
         try:
             self.schedule = MergeSchedule(k=k, warmup_steps=warmup_steps)
         except ValueError as e:
@@ -235,12 +269,8 @@ class KStepAdamStrategy(DDPStrategy):
 
         def closure_then_average() -> Any:
             result = closure()
-            if self.world_size > 1:
-                grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-                if synchronous:
-                    self.average(grads)
-                elif self.mode == "node":
-                    self.average(grads, within_node_only=True)
+            if self.world_size > 1 and (synchronous or self.mode == "node"):
+                self._average_gradients(optimizer, within_node_only=not synchronous)
             return result
 
         output = super().optimizer_step(optimizer, closure_then_average, model, **kwargs)
@@ -253,41 +283,58 @@ class KStepAdamStrategy(DDPStrategy):
         self._record(metrics)
         return output
 
+    def _average_gradients(self, optimizer: Optimizer, within_node_only: bool) -> None:
+        """Average the gradients of ``optimizer``'s parameters as DDP with
+        ``find_unused_parameters=True`` does: the ranks first agree which parameters have
+        one anywhere; those are averaged in parameter order, a missing one counting as
+        zero; the others keep none, so Adam skips them on every rank."""
+        if within_node_only and self.layout.local_world_size == 1:
+            return  # a node of one rank: nothing to average with
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.root_device)
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=self.average.intra if within_node_only else None)
+        grads = []
+        for p, anywhere in zip(params, present.tolist()):
+            if anywhere:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        self.average(grads, within_node_only=within_node_only)
+
     def comm_bytes(self) -> tuple[int, int]:
         """Bytes this rank has sent so far ``(inside its node, to other nodes)``, merges in
         flight included."""
         averages = [a for a in (self.average, self.overlapped and self.overlapped.average) if a is not None]
         return (sum(a.bytes.intra_node for a in averages), sum(a.bytes.inter_node for a in averages))
 
-    def _merged_tensors(self) -> MergedTensors:
-        """The whole model: every optimizer's parameters (and Adam moments), so that a merge
+    def _agreed_moments(self) -> list[ParamMoments]:
+        """Adam's state of every parameter any rank has stepped, alike on every rank
+        (collective); none without ``merge_optimizer_state``."""
+        if not self.merge_optimizer_state:
+            return []
+        return agree_moments(self.optimizers, self.root_device, self.world_size)
+
+    def _merged_tensors(self, moments: list[ParamMoments]) -> MergedTensors:
+        """The whole model: every optimizer's parameters (and ``moments``), so that a merge
         leaves the ranks equal whichever optimizer stepped last."""
+        # In parameter order, the same on every rank (a state dict's order is not).
         params = [p for optimizer in self.optimizers for group in optimizer.param_groups for p in group["params"]]
         exact = [p.data for p in params] + [b for b in self.lightning_module.buffers() if b.is_floating_point()]
-        moments: list[torch.Tensor] = []
-        squares: list[bool] = []
-        if self.merge_optimizer_state:
-            # In parameter order, the same on every rank (a state dict's order is not).
-            candidates = [(getattr(optimizer, "_optimizer", optimizer).state.get(p, {}), name)
-                          for optimizer in self.optimizers for group in optimizer.param_groups
-                          for p in group["params"] for name in _ADAM_STATE]
-            # A parameter that got no gradient on some rank (or a step an AMP scaler skipped)
-            # has no moments there yet: merge only what every rank has, or the collectives
-            # would not match.
-            present = torch.tensor([name in st for st, name in candidates], dtype=torch.int32,
-                                   device=self.root_device)
-            if self.world_size > 1 and len(present):
-                dist.all_reduce(present, op=dist.ReduceOp.MIN)
-            for (st, name), everywhere in zip(candidates, present.tolist()):
-                if everywhere:
-                    moments.append(st[name])
-                    squares.append(name == "exp_avg_sq")
-        return MergedTensors(params, exact, moments, squares, self.moment_dtype)
+        named = [(name, t) for m in moments for name, t in m.moments.items()]
+        return MergedTensors(params, exact, [t for _, t in named], [name == "exp_avg_sq" for name, _ in named],
+                             self.moment_dtype)
+
+    def _merged_tensors_adopted(self) -> MergedTensors:
+        """The whole model for a merge of the live tensors: each optimizer first holds the
+        agreed Adam state (zero moments where it had none), which the merge then averages."""
+        moments = self._agreed_moments()
+        adopt(moments)
+        return self._merged_tensors(moments)
 
     def merge(self) -> dict[str, float]:
         """Average parameters (and Adam's moments) over all ranks; returns merge metrics."""
         start = time.perf_counter()
-        merged_tensors = self._merged_tensors()
+        merged_tensors = self._merged_tensors_adopted()
         local = [p.detach().clone() for p in merged_tensors.params]
         merged_tensors.average_with(self.average)
         divergence = merged_tensors.distance_from(local)
@@ -301,7 +348,7 @@ class KStepAdamStrategy(DDPStrategy):
         time training stood still for it (waiting, correcting, snapshotting)."""
         start = time.perf_counter()
         metrics = self._apply_overlapped()
-        self.overlapped.launch(self._merged_tensors())
+        self.overlapped.launch(self._merged_tensors_adopted())
         metrics["kstep/merge_ms"] = (time.perf_counter() - start) * 1000.0
         return metrics
 
@@ -342,11 +389,12 @@ class KStepAdamStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if not self._merge_pending() or self.overlapped is not None or trainer.interrupted:
             return state
-        return self.checkpoint_merge.model_state(state, self._merged_tensors())
+        moments = self._agreed_moments()  # not adopted: saving must not change training
+        return self.checkpoint_merge.model_state(state, self._merged_tensors(moments), moments)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self.checkpoint_merge.optimizer_state(super().optimizer_state(optimizer))
+        return self.checkpoint_merge.optimizer_state(super().optimizer_state(optimizer), optimizer)
 
     @override
     def on_validation_start(self) -> None:
@@ -379,3 +427,26 @@ class KStepAdamStrategy(DDPStrategy):
         """``(step, metrics)`` recorded since the last call (read by :class:`KStepMonitor`)."""
         records, self._metrics = self._metrics, []
         return records
+
+
+def _refuse_ddp_arguments(arguments: dict[str, Any]) -> None:
+    """Refuse the arguments DDPStrategy hands to its DistributedDataParallel wrapper (or
+    uses on it): without a wrapper they would be silently ignored."""
+    wrapper_arguments = inspect.signature(DistributedDataParallel.__init__).parameters
+    refused, unknown = [], []
+    for name in sorted(arguments):
+        if name in _DDP_COMM_HOOK_ARGUMENTS:
+            refused.append(f"{name} (a DDP communication hook: this strategy averages gradients itself, every step "
+                           f"only with k=1, in warm-up, or inside a node with mode='node')")
+        elif name == "model_averaging_period":
+            refused.append(f"{name} (DDP's post-local-SGD model averaging: this strategy merges the models every k "
+                           f"steps; set k)")
+        elif name in wrapper_arguments:
+            refused.append(f"{name} (an argument of DistributedDataParallel, which this strategy does not wrap the "
+                           f"model in)")
+        else:
+            unknown.append(name)
+    if unknown:
+        raise TypeError(f"KStepAdamStrategy got unexpected keyword arguments: {', '.join(unknown)}")
+    if refused:
+        raise ValueError(f"KStepAdamStrategy has no DDP wrapper, so it does not take {'; '.join(refused)}")

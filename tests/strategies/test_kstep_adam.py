@@ -37,3 +37,32 @@ def test_nvlink_layout_on_a_machine_without_gpus_is_the_node(tmp_path):
                          enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path)
     trainer.fit(BoringModel())
     assert strategy.layout.local_world_size == 1 and trainer.global_step == 2
+
+
+@pytest.mark.parametrize("name, value, reason", [
+    ("ddp_comm_hook", lambda state, bucket: None, "a DDP communication hook"),
+    ("ddp_comm_state", object(), "a DDP communication hook"),
+    ("ddp_comm_wrapper", lambda hook: hook, "a DDP communication hook"),
+    ("model_averaging_period", 4, "DDP.s post-local-SGD model averaging: this strategy merges the models every k"),
+    ("static_graph", True, "an argument of DistributedDataParallel"),
+    ("gradient_as_bucket_view", True, "an argument of DistributedDataParallel"),
+    ("bucket_cap_mb", 10, "an argument of DistributedDataParallel"),
+    ("broadcast_buffers", False, "an argument of DistributedDataParallel"),
+])
+def test_ddp_wrapper_arguments_are_refused(name, value, reason):
+    # DDPStrategy hands these to its DistributedDataParallel wrapper; there is none here.
+    with pytest.raises(ValueError, match=f"has no DDP wrapper, so it does not take {name} \\({reason}"):
+        KStepAdamStrategy(k=4, **{name: value})
+
+
+def test_unknown_arguments_and_strategy_arguments():
+    from datetime import timedelta
+
+    with pytest.raises(TypeError, match="unexpected keyword arguments: merge_every"):
+        KStepAdamStrategy(merge_every=4)
+    strategy = KStepAdamStrategy(k=4, process_group_backend="gloo", timeout=timedelta(seconds=60),
+                                 start_method="popen")
+    assert strategy.process_group_backend == "gloo"
+    # Unused parameters are always handled as DDP's find_unused_parameters=True does.
+    for value in (True, False):
+        KStepAdamStrategy(k=4, find_unused_parameters=value)
