@@ -2,6 +2,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from ctr_lightning.datamodules import SyntheticCriteoDataModule
 
@@ -12,7 +13,7 @@ from ctr_lightning.datamodules import SyntheticCriteoDataModule
 from ctr_lightning.models import DLRMModule
 from ctr_lightning.strategies import KStepAdamStrategy
 
-world, data_dir, sharding, sparse_sync = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+world, data_dir, sharding, sparse_sync, out = int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6]
 pl.seed_everything(0)
 dm = SyntheticCriteoDataModule(data_dir=data_dir, train_rows=36_000, val_rows=12_000, max_cardinality=20_000,
                                batch_size=512 // world)
@@ -32,27 +33,50 @@ trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_ep
                      num_sanity_val_steps=0, callbacks=[Bytes()])
 trainer.fit(model, datamodule=dm)
 plan = model.embeddings.sharding_plan or {}
+merges = getattr(model.embeddings._built(), "merges", 0)  # before the state dict's own merge below
+import torch
+tables = model.embeddings.get_extra_state()["tables"]  # collective: every shard's rows, on every rank
+if trainer.global_rank == 0:
+    torch.save({"dense": dict(model.named_parameters()),  # (not state_dict(): its tables' part is collective)
+                "tables": tables}, out)
 print("RESULT " + json.dumps({"rank": trainer.global_rank, "auc": float(trainer.callback_metrics["val/auc"]),
                               "bytes": bytes_logged[-1] if bytes_logged else 0.0,
                               "kinds": sorted({p.kind for p in plan.values()}), "steps": trainer.global_step,
-                              "table_merges": getattr(model.embeddings._built(), "merges", 0)}), flush=True)
+                              "table_merges": merges}), flush=True)
 import torch.distributed as _dist
 if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
     _dist.destroy_process_group()
 """
 
 
-def _fit(run_ranks, world: int, data_dir: str, sharding: str = "row_wise", sparse_sync: str = "step") -> list[dict]:
-    return sorted(run_ranks(RANK_SCRIPT, [str(world), data_dir, sharding, sparse_sync], world=world),
-                  key=lambda r: r["rank"])
+def _fit(run_ranks, world: int, data_dir: str, sharding: str = "row_wise", sparse_sync: str = "step",
+         out: str = "") -> list[dict]:
+    return sorted(run_ranks(RANK_SCRIPT, [str(world), data_dir, sharding, sparse_sync, out or "/dev/null"],
+                            world=world), key=lambda r: r["rank"])
+
+
+def _assert_same_model(a_path: Path, b_path: Path) -> None:
+    """Dense weights and every stored row (with its optimizer state) at 1e-5."""
+    a, b = (torch.load(p, weights_only=False) for p in (a_path, b_path))
+    assert a["dense"].keys() == b["dense"].keys()
+    for key in a["dense"]:
+        torch.testing.assert_close(a["dense"][key], b["dense"][key], rtol=0, atol=1e-5, msg=key)
+    assert a["tables"].keys() == b["tables"].keys()
+    for name in a["tables"]:
+        rows = []
+        for t in (a["tables"][name], b["tables"][name]):
+            order = torch.argsort(t["ids"])
+            rows.append((t["ids"][order], t["rows"][order]))
+        assert torch.equal(rows[0][0], rows[1][0]), name  # the same ids trained
+        torch.testing.assert_close(rows[0][1], rows[1][1], rtol=0, atol=1e-5, msg=name)
 
 
 def _as_global_batches(dm: SyntheticCriteoDataModule, out_dir: Path, rank_batch: int) -> None:
     """The train file reordered so that one process with batch 2 * ``rank_batch`` sees the
-    global batches two ranks see: rank r reads the r-th half of the bytes."""
-    data = dm.train_file.read_bytes()
-    cut = data.index(b"\n", len(data) // 2 - 1) + 1  # where rank 1's first whole line starts
-    halves = [data[:cut].splitlines(keepends=True), data[cut:].splitlines(keepends=True)]
+    global batches two ranks see: rank r reads the r-th half of the records."""
+    records = dm.train_file.read_bytes().splitlines(keepends=True)
+    cut = len(records) // 2  # rank 1's first record: each rank reads an equal share of records
+    halves = [records[:cut], records[cut:]]
     lines = [line for i in range(0, max(map(len, halves)), rank_batch) for h in halves for line in h[i : i + rank_batch]]
     target = out_dir / dm.train_file.relative_to(dm.train_file.parents[1])
     target.parent.mkdir(parents=True)
@@ -68,8 +92,10 @@ def test_two_cpu_processes_train_as_well_as_one(tmp_path, run_ranks):
     # AUC at this length moves by ~0.015 with the order of the examples, so the single
     # process trains on the same global batches as the two ranks.
     _as_global_batches(dm, tmp_path / "one", rank_batch=256)
-    (one,) = _fit(run_ranks, 1, str(tmp_path / "one"))
-    two = _fit(run_ranks, 2, str(tmp_path / "two"), "row_wise")
+    (one,) = _fit(run_ranks, 1, str(tmp_path / "one"), out=str(tmp_path / "one.pt"))
+    two = _fit(run_ranks, 2, str(tmp_path / "two"), "row_wise", out=str(tmp_path / "two.pt"))
+    # The same global batches: the same model, weight by weight and row by row.
+    _assert_same_model(tmp_path / "one.pt", tmp_path / "two.pt")
     assert one["auc"] > 0.7 and one["bytes"] == 0.0
     assert two[0]["auc"] == two[1]["auc"]  # the metric is synced over ranks
     assert abs(two[0]["auc"] - one["auc"]) < 0.005, (one, two)
