@@ -9,17 +9,19 @@ Layout of ``out``::
 
 Only the weights of a row are exported (no optimizer state), each stored row once. Rows
 never stored were never trained; their value in the trained model is its initial one,
-``initial_rows(seed, table_key(table), id, dim, sqrt(1 / num_embeddings))`` from
-:mod:`ctr_lightning.embedding.initializer` (``export.json`` holds seed and
-num_embeddings), or whatever default a server prefers. The rows stream from the
-checkpoint's table snapshot (or from its in-file tables) a chunk at a time, so memory
-stays constant whatever the tables' size.
+``initial_rows(seed, table_key(table), id, dim, *range_bounds(low, high))`` from
+:mod:`ctr_lightning.embedding.initializer`, ``[low, high]`` being the table's
+``init_range`` (``export.json`` holds it and the seed per table; torchrec's default
+``-+sqrt(1 / num_embeddings)`` unless the table's config set another), or whatever default a
+server prefers. The rows stream from the checkpoint's table snapshot (or from its in-file
+tables) a chunk at a time, so memory stays constant whatever the tables' size.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,6 +161,7 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
     tables_out: dict[str, dict[str, Any]] = {}
     for extra in collections.values():
         configs, chunks = _table_chunks(extra, chunk_rows, Path(ckpt_path).parent / "table_snapshots")
+        init_ranges = extra.get("init_ranges") or {}  # tables at torchrec's default range are not listed
         writers: dict[str, _TableWriter] = {}
         for name, ids, rows in chunks:
             if name not in writers:
@@ -170,10 +173,14 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
             writer = writers.get(name)
             if writer is not None:
                 writer.close()
+            num_embeddings = int(config.get("num_embeddings") or hparams.get("num_embeddings", 0))
+            bound = math.sqrt(1 / num_embeddings) if num_embeddings else None
             tables_out[name] = {
                 "dim": int(config.get("dim") or hparams["embedding_dim"]),
-                "num_embeddings": int(config.get("num_embeddings") or hparams.get("num_embeddings", 0)),
+                "num_embeddings": num_embeddings,
                 "seed": int(config.get("seed", hparams.get("seed", 0))),
+                "init_range": [float(x) for x in init_ranges[name]] if name in init_ranges else
+                              (None if bound is None else [-bound, bound]),
                 "rows": writer.rows if writer else 0,
                 "files": [{"path": str(Path(f["path"]).relative_to(out)), "rows": f["rows"],
                            "sha256": file_sha256(f["path"])} for f in (writer.files if writer else [])],
@@ -190,8 +197,8 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
         "dense": {"path": "dense.safetensors", "sha256": file_sha256(out / "dense.safetensors"),
                   "tensors": len(dense)},
         "tables": tables_out,
-        "unstored_rows": "initial_rows(seed, table_key(table), id, dim, sqrt(1 / num_embeddings)) "
-                         "of ctr_lightning.embedding.initializer",
+        "unstored_rows": "initial_rows(seed, table_key(table), id, dim, *range_bounds(*init_range)) "
+                         "of ctr_lightning.embedding.initializer: uniform in the table's init_range",
     }
     partial = out / "export.json.partial"
     partial.write_text(json.dumps(description, indent=1, sort_keys=True))

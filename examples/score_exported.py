@@ -27,7 +27,7 @@ from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from ctr_lightning.embedding.initializer import initial_rows, table_key
+from ctr_lightning.embedding.initializer import initial_rows, range_bounds, table_key
 
 
 class ExportedTables(torch.nn.Module):
@@ -48,8 +48,11 @@ class ExportedTables(torch.nn.Module):
     def rows(self, table: str, ids: np.ndarray) -> np.ndarray:
         """Weights of ``ids`` of ``table``: read from the export, or initial if absent."""
         info = self.tables[table]
+        # Exports before init_range was written: torchrec's default range.
+        low, high = info.get("init_range") or (-math.sqrt(1.0 / info["num_embeddings"]),
+                                               math.sqrt(1.0 / info["num_embeddings"]))
         out = initial_rows(info["seed"], np.full(len(ids), table_key(table)), ids, info["dim"],
-                           np.full(len(ids), math.sqrt(1.0 / info["num_embeddings"])))
+                           *range_bounds(np.full(len(ids), low), np.full(len(ids), high)))
         files = [str(self.root / f["path"]) for f in info["files"]]
         if files and len(ids):
             found = ds.dataset(files, format="parquet").to_table(

@@ -44,6 +44,12 @@ class TableEngine(ABC):
         backward runs the sparse optimizer on the touched rows. Collective when distributed."""
 
     @abstractmethod
+    def skip_nonfinite_updates(self, skip: bool) -> None:
+        """Whether a backward whose gradient is not finite leaves every row it would update
+        as it was (set while a GradScaler scales the gradients; see
+        :mod:`~ctr_lightning.embedding.loss_scaling`)."""
+
+    @abstractmethod
     def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Current weights of rows of ``table``; stores nothing. Collective when distributed:
         every rank passes the same ids and gets the same rows."""

@@ -98,6 +98,10 @@ class LocalTables(TableEngine):
         for group in self.groups:
             group.move_device_tier(device)
 
+    def skip_nonfinite_updates(self, skip: bool) -> None:
+        for group in self.groups:
+            group.skip_nonfinite = skip
+
     # -- working-set prefetch --------------------------------------------------------------
 
     def register_upcoming(self, features: KeyedJaggedTensor, batch: int,

@@ -64,6 +64,15 @@ def _victim_candidates(table_code, count, pinned, need, lfu, last_used, uses):
     return slots, keys, starts
 
 
+class TierFull(RuntimeError):
+    """The rows a tier must hold at once (pinned, plus those arriving) exceed a table's
+    capacity there: ``touched`` rows of table number ``table``, ``capacity`` rows."""
+
+    def __init__(self, message: str, table: int, touched: int, capacity: int) -> None:
+        super().__init__(message)
+        self.table, self.touched, self.capacity = table, touched, capacity
+
+
 @dataclass
 class Rows:
     """Rows leaving or entering a tier: which (table, id), their values, whether dirty, the
@@ -201,7 +210,7 @@ class RowCache:
             if len(upcoming):
                 try:
                     return self.choose_victims(need, np.concatenate([pinned, upcoming]), names)
-                except RuntimeError:
+                except TierFull:
                     pass  # the lookahead wants more than fits: keep only this batch's pins
         if not need.any():
             empty = np.empty(0, dtype=np.int64)
@@ -216,11 +225,11 @@ class RowCache:
             t = int(short[0])
             # Rows pinned (held for this batch or a backward to come) plus the rows arriving.
             touched = int(need[t] + self.capacity[t] - available[t])
-            raise RuntimeError(
+            raise TierFull(
                 f"table {names[t]!r}: one batch touches more rows than its tier holds ({touched} rows "
                 f"in the batches in flight, capacity {int(self.capacity[t])} rows); raise the capacity "
-                f"or lower the batch size"
-            )
+                f"or lower the batch size",
+                t, touched, int(self.capacity[t]))
         take = np.minimum(wanted, available)
         victims = []
         for t in np.flatnonzero(take):  # the take[t] smallest keys of table t, in O(rows of t)

@@ -78,6 +78,12 @@ class RecordFile:
             raise self._fail(action, e.errno, needed=rows.nbytes) from e
         self.bytes_written += rows.nbytes
 
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # A copy would share (and close) this one's open files, and write where it writes.
+        raise TypeError(f"{type(self).__name__} of tables {self.table_names} in {self.directory} cannot be "
+                        f"copied or pickled: a copy would share its files; save_tables / load_tables move rows "
+                        f"into another SSD directory")
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)

@@ -599,6 +599,12 @@ class SsdLog:
             self._cleaning = None
             self.index.clear()
 
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # A copy would share (and close) this one's open files, and write where it writes.
+        raise TypeError(f"{type(self).__name__} of tables {self.table_names} in {self.directory} cannot be "
+                        f"copied or pickled: a copy would share its files; save_tables / load_tables move rows "
+                        f"into another SSD directory")
+
     def close(self) -> None:
         for segment in list(self.segments.values()):
             if segment.fd >= 0:

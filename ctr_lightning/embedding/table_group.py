@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -40,6 +42,9 @@ class TableGroup:
         self.steps = np.zeros(len(tables), dtype=np.int64)  # optimizer steps per table
         self._setup = setup
         self.use_numba = setup.use_numba(setup.device)
+        # Set while a GradScaler scales the gradients (see loss_scaling): a backward whose
+        # gradient is not finite is a step the scaler skips, so it updates no row.
+        self.skip_nonfinite = False
 
     @property
     def stats(self) -> dict[str, int]:
@@ -70,10 +75,7 @@ class TableGroup:
         device_tier = self.tiers.device_tier
         device_tier.touch(slots)
         layout = BagLayout(slots, inverse, offsets, weights, batch)
-        on_grad = None
-        if train:
-            self.tiers.pin(slots)
-            on_grad = lambda grad: self._update(slots, u_tables, grad)  # noqa: E731
+        on_grad = _RowUpdate(self, slots, u_tables) if train else None
         if self.use_numba:
             return pool_cpu(device_tier.values, self.dim, self.mode == "mean", layout, on_grad)
         return pool_torch(device_tier.values, self.dim, self.mode, layout, on_grad)
@@ -97,6 +99,8 @@ class TableGroup:
         return first, inverse
 
     def _update(self, slots: np.ndarray, tables: np.ndarray, grad: torch.Tensor | CpuBackward) -> None:
+        if self.skip_nonfinite and not _finite(grad):
+            return  # the rows, their optimizer state and the step counts stay as they were
         # Every table in the batch counts a step, as torch.optim.SparseAdam counts per parameter.
         self.steps += 1
         storage = self.tiers.device_tier.values  # now: the tier may have grown since forward
@@ -106,7 +110,6 @@ class TableGroup:
             update_torch(storage, self.optimizer, self.steps, slots, tables, grad)
         self.tiers.device_tier.dirty[slots] = True
         self.tiers.device_tier.changed[slots] = True
-        self.tiers.unpin(slots)
 
     # -- working-set prefetch ------------------------------------------------------------------
 
@@ -172,3 +175,25 @@ class TableGroup:
         """Replace every stored row by ``rows`` of (``tables``, ``ids``); ``steps`` per table."""
         self.tiers.load(tables, ids, rows)
         self.steps = np.asarray(steps, dtype=np.int64).copy()
+
+
+class _RowUpdate:
+    """The update one training forward owes its rows, which its backward runs. Only the
+    forward's autograd graph keeps it, so the rows stay pinned until the backward, or until
+    the graph is freed without one (a skipped batch, an exception before backward)."""
+
+    def __init__(self, group: TableGroup, slots: np.ndarray, tables: np.ndarray) -> None:
+        self.group, self.slots, self.tables = group, slots, tables
+        self.release: Callable[[], None] = group.tiers.pin(slots, holder=self)
+
+    def __call__(self, grad: torch.Tensor | CpuBackward) -> None:
+        try:
+            self.group._update(self.slots, self.tables, grad)
+        finally:
+            self.release()
+
+
+def _finite(grad: torch.Tensor | CpuBackward) -> bool:
+    if isinstance(grad, CpuBackward):
+        return bool(np.isfinite(grad.grad_out).all())
+    return bool(torch.isfinite(grad).all())  # a sync on CUDA: the skip is decided on the host

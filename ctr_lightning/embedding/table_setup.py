@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
+from ctr_lightning.embedding.initializer import init_range
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 from ctr_lightning.embedding.sparse_update import state_width
 from ctr_lightning.embedding.storage_config import StorageConfig
@@ -26,8 +27,8 @@ class TableSetup:
     """How a collection's tables are stored and trained, per table where it differs.
 
     Made by :meth:`build`, which checks every setting once (storage tiers, id spaces,
-    pooling, kernel, SSD directories), so nothing below it checks again. The engines
-    take it whole and derive the setups of their parts from it.
+    pooling, initial ranges, kernel, SSD directories), so nothing below it checks again.
+    The engines take it whole and derive the setups of their parts from it.
 
     Example::
 
@@ -42,6 +43,8 @@ class TableSetup:
     device: torch.device
     seed: int
     kernel: str
+    # Per table, the uniform range ``(low, high)`` its rows start in (:func:`init_range`).
+    init_range: Mapping[str, tuple[float, float]]
     module_name: str = "TieredEmbeddingBagCollection"  # named in error messages
 
     @classmethod
@@ -67,6 +70,7 @@ class TableSetup:
             device=torch.device(device or "cpu"),
             seed=seed,
             kernel=kernel,
+            init_range={t.name: init_range(t) for t in tables},
             module_name=module_name,
         )
         for name, space in setup.id_space.items():

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-import math
+import gc
+import itertools
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
@@ -12,9 +14,9 @@ import numpy as np
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from ctr_lightning.embedding.initializer import initial_rows, initialize_slots, table_key
+from ctr_lightning.embedding.initializer import initial_rows, initialize_slots, range_bounds, table_key
 from ctr_lightning.embedding.key_index import KeyIndex, dedup
-from ctr_lightning.embedding.row_cache import RowCache, Rows
+from ctr_lightning.embedding.row_cache import RowCache, Rows, TierFull
 from ctr_lightning.embedding.segment_sets import SegmentSet, SegmentSetWriter, segment_keys
 from ctr_lightning.embedding.ssd import DirectSsdStore
 from ctr_lightning.embedding.ssd_log import NO_SSD_COUNTERS, Relocated, SsdLog
@@ -49,7 +51,8 @@ class TierStack:
         self.table_keys = np.array([table_key(t.name) for t in tables], dtype=np.int64)
         self.num_embeddings = np.array([t.num_embeddings for t in tables], dtype=np.int64)
         self.bounded = np.array([setup.id_space[t.name] == "bounded" for t in tables], dtype=bool)
-        self.bounds = np.array([math.sqrt(1.0 / t.num_embeddings) for t in tables])
+        # Per table, the half width and middle of the uniform range its rows start in.
+        self.init_bounds, self.init_centers = range_bounds(*np.array([setup.init_range[t.name] for t in tables]).T)
         storage = [setup.storage[t.name] for t in tables]
         lfu = [s.eviction == "lfu" for s in storage]
         device_caps, host_caps = setup.capacities(tables)
@@ -66,7 +69,11 @@ class TierStack:
         elif ssd_dir is not None:
             self.ssd = SsdLog(ssd_dir, name, self.width, self.names, segment_bytes=storage[0].ssd_segment_bytes)
         self.stats = {"device_hits": 0, "host_hits": 0, "ssd_hits": 0, "new_rows": 0, "ssd_stall_us": 0}
-        self._pinned: list[np.ndarray] = []  # device slots of training batches whose backward is to come
+        # Device slots of training forwards whose backward is to come, by pin number. A dict:
+        # a pin may be released from whichever thread frees its forward's autograd graph,
+        # and one dict operation is atomic under the GIL.
+        self._pins: dict[int, np.ndarray] = {}
+        self._pin_numbers = itertools.count()
         self._evict_us = self._wait_us = 0
         # Evicted rows are written to SSD by a thread while training goes on; anything that
         # reads or writes the SSD tier first waits for that write (drain).
@@ -113,12 +120,21 @@ class TierStack:
     def move_device_tier(self, device: torch.device) -> None:
         self.device_tier.to(device)
 
-    def pin(self, slots: np.ndarray) -> None:
-        """Keep these device rows in place until :meth:`unpin`: their update is to come."""
-        self._pinned.append(slots)
+    def pin(self, slots: np.ndarray, holder: object) -> Callable[[], None]:
+        """Keep these device rows in place: a training forward's update is to come in its
+        backward. Returns the release, which runs once: when called (the update is done) or
+        when ``holder`` is garbage collected, whichever comes first. ``holder`` is an object
+        only the forward's autograd graph keeps, so a forward whose backward never comes (a
+        skipped batch, an exception before backward) gives its rows back when its output
+        and graph are freed."""
+        number = next(self._pin_numbers)
+        self._pins[number] = slots
+        release = weakref.finalize(holder, self._pins.pop, number, None)
+        release.atexit = False  # nothing to give back at exit
+        return release
 
-    def unpin(self, slots: np.ndarray) -> None:
-        self._pinned = [p for p in self._pinned if p is not slots]
+    def _pinned(self) -> list[np.ndarray]:
+        return list(self._pins.values())
 
     # -- misses ----------------------------------------------------------------------------
 
@@ -166,9 +182,7 @@ class TierStack:
                 self.stats["ssd_hits"] += int(found.sum())
         start = time.perf_counter()
         need = self.device_tier.room_needed(tables)
-        pinned = np.concatenate([pinned, *self._pinned]) if self._pinned else pinned
-        victim_slots, victims = self.device_tier.choose_victims(
-            need, pinned, self.names, needed_after=working_set.current_batch if reading_ahead else None)
+        victim_slots, victims = self._choose_victims(need, pinned, working_set.current_batch if reading_ahead else None)
         moved = self._demote(victims.select(victims.dirty))
         self.device_tier.release(victim_slots)
         self._evict_us += int((time.perf_counter() - start) * 1e6)
@@ -192,15 +206,55 @@ class TierStack:
         self._relocate(moved)
         return slots
 
+    def _choose_victims(self, need: np.ndarray, pinned: np.ndarray,
+                        needed_after: int | None) -> tuple[np.ndarray, Rows]:
+        """Device rows to evict, sparing ``pinned`` (this batch's) and the rows of training
+        forwards whose backward is to come."""
+        held = self._pinned()
+        try:
+            return self.device_tier.choose_victims(need, np.concatenate([pinned, *held]), self.names, needed_after)
+        except TierFull:
+            if not held:
+                raise  # this batch alone is too big: the message says so
+        # Graphs kept alive only by reference cycles (a traceback, torchrec's all-to-all
+        # requests) are freed by the cycle collector alone; their release comes with it.
+        gc.collect()
+        held = self._pinned()
+        try:
+            return self.device_tier.choose_victims(need, np.concatenate([pinned, *held]), self.names, needed_after)
+        except TierFull as full:
+            if not held:
+                raise
+            raise self._held_by_forwards(full, held) from None
+
+    def _held_by_forwards(self, full: TierFull, held: list[np.ndarray]) -> TierFull:
+        """The error for a tier that rows of earlier forwards fill, not the batch (``full``
+        itself when they hold none of that table's rows)."""
+        code = self.device_tier.table_code
+        by_forward = [slots[code[slots].astype(np.int64) - 1 == full.table] for slots in held]
+        forwards = sum(1 for slots in by_forward if len(slots))
+        rows = len(np.unique(np.concatenate(by_forward)))
+        if not rows:
+            return full
+        return TierFull(
+            f"table {self.names[full.table]!r}: the batches in flight touch more rows than its tier holds "
+            f"({full.touched} rows, capacity {full.capacity} rows), {rows} of them held by {forwards} earlier training "
+            f"forwards whose backward has not run. A training forward holds its rows until its backward, or until its "
+            f"output (and anything computed from it, such as the loss) is freed: a step that skips backward must not "
+            f"keep them. Several forwards before one backward (gradient accumulation, pipelining) need a tier that "
+            f"holds all their rows: raise the capacity",
+            full.table, full.touched, full.capacity)
+
     def _initial(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        return initial_rows(self.seed, self.table_keys[tables], ids, self.dim, self.bounds[tables])
+        return initial_rows(self.seed, self.table_keys[tables], ids, self.dim, self.init_bounds[tables],
+                            self.init_centers[tables])
 
     def _initialize(self, slots: np.ndarray, tables: np.ndarray, ids: np.ndarray) -> None:
         """Device-tier rows at ``slots`` := initial weights and zero optimizer state."""
         values = self.device_tier.values
         if values.device.type == "cpu":
-            initialize_slots(self.seed, self.table_keys[tables], ids, self.dim, self.bounds[tables], values.numpy(),
-                             slots)
+            initialize_slots(self.seed, self.table_keys[tables], ids, self.dim, self.init_bounds[tables],
+                             values.numpy(), slots, self.init_centers[tables])
             return
         rows = torch.zeros(len(ids), self.width)
         rows[:, : self.dim] = torch.from_numpy(self._initial(tables, ids))

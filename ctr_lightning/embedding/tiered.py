@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,11 +19,12 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ctr_lightning.embedding.engine import TableEngine
 from ctr_lightning.embedding.local_tables import LocalTables
+from ctr_lightning.embedding.loss_scaling import unscale_in_backward, warn_if_loss_may_be_scaled
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 from ctr_lightning.embedding.sharding_plan import SHARDING_KINDS, TableSharding, plan_sharding
 from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig
-from ctr_lightning.embedding.table_checks import check_tables
-from ctr_lightning.embedding.table_setup import TableSetup, check_kernel_device
+from ctr_lightning.embedding.table_checks import check_tables, torchrec_input
+from ctr_lightning.embedding.table_setup import TableSetup, available_memory_bytes, check_kernel_device
 from ctr_lightning.embedding.table_snapshot import (
     MANIFEST,
     SnapshotManifest,
@@ -36,6 +39,9 @@ if TYPE_CHECKING:
     from ctr_lightning.topology.auto_placement import Placement
 
 DEFAULT_SYNC_EVERY = 16
+# Per lineage of storage-auto collections copied before their tiers were planned: the SSD
+# directories planned for them in this process, and for which collection (its id).
+_PLANNED_SSD: dict[str, dict[str, int]] = {}
 
 
 class GatheringSsdRowsError(RuntimeError):
@@ -177,6 +183,9 @@ class TieredEmbeddingBagCollection(nn.Module):
         # before fit starts, and planning then would size the tiers for the wrong device.
         # ("tables", per-table state) or ("snapshot", path, reference): data, so a copy of the module carries it.
         self._pending_load: tuple | None = None
+        # Set when this collection or one it was copied from was copied before storage auto
+        # planned its tiers: the copies' common key in _PLANNED_SSD (see __getstate__).
+        self._copy_lineage: str | None = None
 
     def follow_merge_schedule(self, k: int, warmup_steps: int = 0) -> None:
         """Merge the replicas of ``sparse_sync="k_step"`` with a k-step strategy's ``k`` and
@@ -260,6 +269,17 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._setup = TableSetup.build(self._tables, self.placement.storage, self._setup.optimizer,
                                        dict(self._setup.id_space), self._setup.is_weighted, self._setup.device,
                                        self._setup.seed, self._setup.kernel, module_name=self._setup.module_name)
+        if self._copy_lineage is not None:
+            planned = _PLANNED_SSD.setdefault(self._copy_lineage, {})
+            ssd = {s.ssd_dir for s in self._setup.storage.values() if s.ssd_dir is not None}
+            shared = sorted(d for d in ssd if planned.setdefault(d, id(self)) != id(self))
+            if shared:
+                raise TypeError(
+                    f"{type(self).__name__} of tables {[t.name for t in self._tables]}: storage 'auto' planned an SSD "
+                    f"tier in {shared}, where a copy of this collection (deepcopy, pickle, made before the tiers were "
+                    f"planned) or the collection it copies has its SSD tier: both would use and corrupt the same "
+                    f"files. Copy collections whose rows are in memory, or move rows with save_tables / load_tables "
+                    f"into a collection with another SSD directory")
         return {t.name: t.sharding for t in self.placement.plan.tables}
 
     @property
@@ -293,13 +313,50 @@ class TieredEmbeddingBagCollection(nn.Module):
             # Else the CPU kernels fail deep inside on a tensor they cannot read.
             raise ValueError(f"{type(self).__name__}: tables {[t.name for t in self._tables]} are in cpu memory but "
                              f"the KJT is on {device}; move the module first (.to({str(device)!r}), as Lightning does)")
+        features = torchrec_input(features, self._feature_names, self._tables, self._is_weighted, type(self).__name__)
         engine = self._built()  # first: a restore waiting there counts a version of its own, before this step's
         train = self.training and torch.is_grad_enabled()
         self._version += train
+        if train:
+            # Every step: the engine may have been built after set_grad_scaler.
+            engine.skip_nonfinite_updates(self._grad_scaler is not None)
         pooled = engine.forward(features, train)
         if train:
+            if self._grad_scaler is not None:
+                unscale_in_backward(pooled, self._grad_scaler)
+            else:
+                warn_if_loss_may_be_scaled(device, type(self).__name__)
             reached("train_step")
         return KeyedTensor(keys=self._feature_names, length_per_key=self._dims, values=pooled)
+
+    # The scaler of the loss (set_grad_scaler); None: gradients arrive unscaled.
+    _grad_scaler: torch.amp.GradScaler | None = None
+
+    def set_grad_scaler(self, scaler: torch.amp.GradScaler | None) -> None:
+        """Train under the loss-scaling ``torch.amp.GradScaler`` that scales the loss
+        (float16 mixed precision); ``None``: the loss is not scaled.
+
+        The sparse optimizer runs inside backward, before the scaler sees any gradient. So
+        the tables divide their gradient by the scaler's scale, and a step whose gradient
+        reaching the tables overflowed updates no row, optimizer state or step count, as
+        ``scaler.step`` then skips the dense optimizer: all tables alike (on every rank,
+        when sharded). An overflow confined to dense layers the tables do not feed (a
+        bottom MLP) makes the scaler skip the dense step alone; the rows then take their
+        step, on a finite, unscaled gradient. Costs a CPU-GPU sync per backward on CUDA.
+        Under Lightning's ``precision="16-mixed"`` hand it ``trainer.precision_plugin.scaler``
+        (in ``on_fit_start``).
+
+        Example::
+
+            scaler = torch.amp.GradScaler("cuda")
+            ebc.set_grad_scaler(scaler)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(batch)
+            scaler.scale(loss).backward()   # the rows are updated here, unscaled
+            scaler.step(optimizer)
+            scaler.update()
+        """
+        self._grad_scaler = scaler
 
     def _apply(self, fn: Any, recurse: bool = True) -> TieredEmbeddingBagCollection:
         # .to(device) / .cuda() (Lightning calls them) move the device tier with the module.
@@ -353,6 +410,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         When sharded this is collective (the ids travel to their owners, who note and
         read their rows), so every rank registers its batches in the same order.
         """
+        features = torchrec_input(features, self._feature_names, self._tables, self._is_weighted, type(self).__name__)
         return self._built().register_upcoming(features, batch)
 
     def release_upcoming(self, batch: int) -> None:
@@ -464,7 +522,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                 manifest = self.save_tables(directory, incremental=True, link_segments=self._link_segments)
                 self._snapshot = (self._version, {"snapshot": str(directory.resolve()),
                                                   "manifest_sha256": manifest.sha256()})
-            return dict(self._snapshot[1])
+            return {**self._snapshot[1], **self._init_ranges()}
         engine = self._built()  # first: under storage auto, only the plan says whether there is an SSD tier
         if self.gathers_ssd_rows:
             raise GatheringSsdRowsError(
@@ -478,7 +536,18 @@ class TieredEmbeddingBagCollection(nn.Module):
         # Per table, whatever the sharding: a checkpoint loads into any number of ranks.
         # When sharded this is collective (Lightning builds checkpoints on every rank). The
         # widths go along for readers of the file alone (export: rows hold optimizer state too).
-        return {"tables": engine.export(), "dims": {t.name: t.embedding_dim for t in self._tables}}
+        return {"tables": engine.export(), "dims": {t.name: t.embedding_dim for t in self._tables},
+                **self._init_ranges()}
+
+    def _init_ranges(self) -> dict[str, dict[str, list[float]]]:
+        """``{"init_ranges": {table: [low, high]}}`` of the tables whose rows start in another
+        range than torchrec's default ``-+sqrt(1 / num_embeddings)`` (none: ``{}``; fields at their
+        defaults are not written): with the seed, what a reader of the checkpoint alone (the
+        serving export) needs to recompute the rows never stored."""
+        ranges = {t.name: list(self._setup.init_range[t.name]) for t in self._tables
+                  if self._setup.init_range[t.name] != (-math.sqrt(1 / t.num_embeddings),
+                                                         math.sqrt(1 / t.num_embeddings))}
+        return {"init_ranges": ranges} if ranges else {}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         if "snapshot" in state:
@@ -498,15 +567,174 @@ class TieredEmbeddingBagCollection(nn.Module):
             return
         if "tables" not in state:
             raise KeyError("checkpoint holds no 'tables' state for the TieredEmbeddingBagCollection")
+        self._load_rows(state["tables"])
+
+    def _load_rows(self, tables: Mapping[str, Mapping[str, Any]]) -> None:
+        """Replace every stored row by ``tables`` (:meth:`TableEngine.export`'s form)."""
         self._version += 1
         self._snapshot = None
-        self._base = None  # rows from the state dict: the next snapshot holds them all
+        self._base = None  # rows from a state dict: the next snapshot holds them all
         if self._defer_load():
-            self._pending_load = ("tables", state["tables"])
+            self._pending_load = ("tables", tables)
             return
-        self._built().load(state["tables"])
+        self._built().load(tables)
 
     def _defer_load(self) -> bool:
         """Whether restored rows wait for the first use: under storage auto, until the tiers
         are planned (:meth:`plan_placement` at the start of fit, on the module's device)."""
         return self._auto_storage is not None and self._engine is None
+
+    # -- torchrec's state dict -------------------------------------------------------------
+
+    def torchrec_state_dict(self, prefix: str = "", chunk_rows: int = 1 << 16) -> dict[str, torch.Tensor]:
+        """What torchrec's ``EmbeddingBagCollection.state_dict()`` holds: per table
+        ``{prefix}embedding_bags.<table>.weight``, float32 ``[num_embeddings, dim]``, row ``i``
+        the current weights of id ``i`` (its initial value if nobody trained it). torchrec's
+        weight has no optimizer state, so neither has this.
+
+        Refused before anything is gathered: weights larger together than the memory available
+        (MemoryError; :meth:`save_tables` streams rows instead); a table of hashed ids that
+        stores rows of ids ``>= num_embeddings``, which torchrec's weight has no place for
+        (ValueError); a collection sharded over ranks (RuntimeError: save its tables and load
+        them into a collection in one process).
+
+        Example::
+
+            torchrec_ebc = EmbeddingBagCollection(tables=ebc.embedding_bag_configs())
+            torchrec_ebc.load_state_dict(ebc.torchrec_state_dict())   # same pooled output
+        """
+        engine = self._built()
+        if not isinstance(engine, LocalTables):
+            raise RuntimeError(
+                f"{type(self).__name__}: torchrec_state_dict() of a collection sharded over ranks is not supported "
+                f"(each rank holds only its shard); save_tables(directory) here, then load_tables(directory) into a "
+                f"{type(self).__name__} of the same tables in one process and call torchrec_state_dict() there")
+        need = sum(t.num_embeddings * t.embedding_dim * 4 for t in self._tables)
+        available = available_memory_bytes()
+        if need > available:
+            raise MemoryError(
+                f"{type(self).__name__}: torchrec's weights of tables {[t.name for t in self._tables]} "
+                f"(num_embeddings x embedding_dim float32) take {need / 2**30:.2f} GiB, more than the "
+                f"{available / 2**30:.2f} GiB of memory available; save_tables(directory) streams the rows instead")
+        outside = self._stored_outside(engine)
+        if outside:
+            raise ValueError(
+                f"{type(self).__name__}: tables store rows of hashed ids >= num_embeddings, which torchrec's weight "
+                f"(ids 0 .. num_embeddings - 1) has no place for: {outside} (table: such rows); rows() reads "
+                f"any id, save_tables(directory) saves every row")
+        out = {}
+        for t in self._tables:
+            weight = torch.empty(t.num_embeddings, t.embedding_dim)
+            for start in range(0, t.num_embeddings, chunk_rows):
+                stop = min(start + chunk_rows, t.num_embeddings)
+                weight[start:stop] = engine.rows(t.name, torch.arange(start, stop))
+            out[f"{prefix}embedding_bags.{t.name}.weight"] = weight
+        return out
+
+    def _stored_outside(self, engine: LocalTables) -> dict[str, int]:
+        """Per table of hashed ids, how many stored rows have ids ``>= num_embeddings``
+        (tables with none left out): a pass over every stored row, a chunk at a time."""
+        counts: dict[str, int] = {}
+        for group in engine.groups:
+            hashed = [self._setup.id_space[name] == "hashed" for name in group.names]
+            if not any(hashed):
+                continue  # bounded ids never reach num_embeddings: refused when looked up
+            limits = np.array([t.num_embeddings for t in group.tables], dtype=np.int64)
+            for tables, ids, _ in group.tiers.export_chunks():
+                beyond = np.bincount(tables[ids >= limits[tables]], minlength=len(group.names))
+                for name, n in zip(group.names, beyond):
+                    if n:
+                        counts[name] = counts.get(name, 0) + int(n)
+        return counts
+
+    def load_torchrec_state_dict(self, state_dict: Mapping[str, torch.Tensor], prefix: str = "",
+                                 strict: bool = True) -> None:
+        """Replace every row by the weights of torchrec's ``EmbeddingBagCollection.state_dict()``:
+        ``{prefix}embedding_bags.<table>.weight`` ``[num_embeddings, dim]`` of every table, row
+        ``i`` becoming the stored row of id ``i`` (for hashed ids too: ids ``0 .. num_embeddings -
+        1``, the ids torchrec's table has); rows stored before are dropped, as any load replaces
+        them. The rows start with zero optimizer state and step counts of 0, as a fresh torchrec
+        optimizer does. Keys outside ``{prefix}embedding_bags.`` are ignored (a whole model's
+        state dict may be passed); with ``strict``, one there that names no table is an error.
+        :meth:`load_state_dict` takes such a state dict too. Not collective: under
+        torch.distributed every rank passes the same state dict and keeps the rows it owns.
+
+        Example::
+
+            ebc.load_torchrec_state_dict(torchrec_ebc.state_dict())
+            model.load_state_dict(torchrec_model.state_dict())   # the same, inside a model
+        """
+        keys = {f"{prefix}embedding_bags.{t.name}.weight": t for t in self._tables}
+        missing = sorted(k for k in keys if k not in state_dict)
+        if missing:
+            raise KeyError(f"{type(self).__name__}: the state dict lacks torchrec's weights {missing}; every table's "
+                           f"is needed (a load replaces every row)")
+        unknown = sorted(k for k in state_dict if k.startswith(f"{prefix}embedding_bags.") and k not in keys)
+        if strict and unknown:
+            raise KeyError(f"{type(self).__name__}: the state dict has weights {unknown} of no table of this "
+                           f"collection (tables {[t.name for t in self._tables]})")
+        need = 0
+        for key, t in keys.items():
+            shape = tuple(state_dict[key].shape)
+            if shape != (t.num_embeddings, t.embedding_dim):
+                raise ValueError(f"{type(self).__name__}: table {t.name!r}: {key} has shape {list(shape)}, the table "
+                                 f"is [num_embeddings, embedding_dim] = [{t.num_embeddings}, {t.embedding_dim}]")
+            need += t.num_embeddings * self._setup.row_width(t.embedding_dim) * 4
+        available = available_memory_bytes()
+        if need > available:
+            raise MemoryError(f"{type(self).__name__}: loading torchrec's weights takes {need / 2**30:.2f} GiB of rows "
+                              f"(weights and optimizer state), more than the {available / 2**30:.2f} GiB of memory "
+                              f"available")
+        tables = {}
+        for key, t in keys.items():
+            rows = torch.zeros(t.num_embeddings, self._setup.row_width(t.embedding_dim))
+            rows[:, : t.embedding_dim] = state_dict[key].detach().to("cpu", torch.float32)
+            tables[t.name] = {"ids": torch.arange(t.num_embeddings), "rows": rows, "steps": 0}
+        self._load_rows(tables)
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        # torchrec's keys and none of this collection's own: a torchrec collection's state dict.
+        if (prefix + "_extra_state" not in state_dict
+                and any(k.startswith(prefix + "embedding_bags.") for k in state_dict)):
+            try:
+                self.load_torchrec_state_dict(state_dict, prefix, strict=False)
+            except (KeyError, ValueError) as e:
+                error_msgs.append(e.args[0] if e.args else str(e))
+            if strict:
+                wanted = {f"{prefix}embedding_bags.{t.name}.weight" for t in self._tables}
+                unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in wanted)
+            return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    # -- copies ------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy carries (``copy.deepcopy``, pickle, ``torch.save(module)``): every row,
+        for a collection whose rows all live in this process's memory; the copy shares nothing
+        mutable with this one. Refused (TypeError, before anything is copied) for a collection
+        with an SSD tier, whose copy would share its files, and for one sharded over ranks."""
+        ssd = sorted({s.ssd_dir for s in self._setup.storage.values() if s.ssd_dir is not None})
+        if ssd:
+            raise TypeError(
+                f"{type(self).__name__} of tables {[t.name for t in self._tables]} cannot be copied (deepcopy, "
+                f"pickle, torch.save of the module): it has an SSD tier in {ssd}, whose files a copy would share "
+                f"and corrupt. Save its rows with save_tables(directory) and "
+                f"load them with load_tables(directory) into a new {type(self).__name__} whose StorageConfig.ssd_dir "
+                f"is another directory; Lightning checkpoints stream them through "
+                f"ctr_lightning.callbacks.TableSnapshots. Callbacks that deep-copy the model "
+                f"(StochasticWeightAveraging, EMA) need a collection held in memory")
+        if self._process_group is not None or (self._engine is not None and not isinstance(self._engine, LocalTables)):
+            raise TypeError(
+                f"{type(self).__name__} of tables {[t.name for t in self._tables]} cannot be copied (deepcopy, "
+                f"pickle, torch.save of the module): it is sharded over ranks, and its rows live in other "
+                f"processes; save_tables(directory) / load_tables(directory) move them to another collection")
+        if self._auto_storage is not None and self._engine is None and self._copy_lineage is None:
+            # Both are planned at their first use, on this machine alike: the second of them
+            # planned an SSD tier where the first has one is refused (see _place).
+            self._copy_lineage = uuid.uuid4().hex
+        state = super().__getstate__()
+        # Set by a TableSnapshots callback for its run (a closure over the trainer): not the copy's.
+        state["snapshot_search"] = list
+        return state

@@ -156,6 +156,9 @@ class CTRModule(pl.LightningModule):
     # -- Lightning hooks ---------------------------------------------------------------
 
     def on_fit_start(self) -> None:
+        # Under precision="16-mixed" (CUDA) Lightning scales the loss with a GradScaler; the
+        # tables update inside backward, so they unscale (and skip overflowed steps) themselves.
+        self.embeddings.set_grad_scaler(getattr(self.trainer.precision_plugin, "scaler", None))
         placement = self._place_tables()
         if placement is None:
             return

@@ -123,6 +123,11 @@ class ReplicatedTables(TableEngine):
                 self._pull(parts)
         return self.replica.forward(features, train, parts)
 
+    def skip_nonfinite_updates(self, skip: bool) -> None:
+        # Only the replica trains in backward, on this rank's batches: it skips on this
+        # rank's gradient.
+        self.replica.skip_nonfinite_updates(skip)
+
     def _owner(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
         by_hash = row_owner(torch.from_numpy(ids), self.world).numpy()
         return np.where(self.is_row_wise[tables], by_hash, self.table_owner[tables])

@@ -158,6 +158,12 @@ class ShardedTables(TableEngine):
         self.bytes_sent += self._id_bytes(sent)
         return features, local_in, strides
 
+    def skip_nonfinite_updates(self, skip: bool) -> None:
+        # A rank's non-finite gradient reaches every owner as NaN (loss_scaling), and the
+        # replicas all-gather it: every rank skips alike.
+        for engine in self._engines():
+            engine.skip_nonfinite_updates(skip)
+
     def compute(self, local_in: KeyedJaggedTensor, train: bool) -> torch.Tensor:
         """This rank's shard pools the bags it received: ``[sum of batches, its dims]``."""
         return self.local.forward(local_in, train)
