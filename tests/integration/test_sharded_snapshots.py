@@ -92,6 +92,14 @@ for sharding in ("row_wise", "table_wise", "data_parallel"):
     two.load_tables(os.path.join(out_dir, "snap_one"))
     expected = torch.load(os.path.join(out_dir, "rows_one.pt"))
     result["from_one_" + sharding] = all(torch.equal(two.rows(n, i), expected[n]) for n, i in ids.items())
+    # The optimizer state (Adam's moments, in each row) and step counts came along too.
+    two.checkpoint_to_snapshots(None)
+    state = two.get_extra_state()["tables"]  # collective: every rank's rows
+    want = torch.load(os.path.join(out_dir, "state_one.pt"))
+    result["from_one_state_" + sharding] = all(
+        torch.equal(state[n]["ids"].sort().values, want[n]["ids"].sort().values)
+        and torch.equal(state[n]["rows"][state[n]["ids"].argsort()], want[n]["rows"][want[n]["ids"].argsort()])
+        and state[n]["steps"] == want[n]["steps"] for n in want)
 
 # A save that fails on one rank (a file size limit: a full disk to the writer) fails on
 # both, names the file, and leaves no manifest.
@@ -122,8 +130,10 @@ def test_two_ranks_save_their_own_rows_and_the_snapshot_loads_anywhere(tmp_path,
     one.save_tables(tmp_path / "snap_one")
     torch.save({t.name: one.rows(t.name, torch.arange(0, t.num_embeddings * 7919, 7919)) for t in TABLES},
                tmp_path / "rows_one.pt")
+    torch.save(one._built().export(), tmp_path / "state_one.pt")  # rows with their Adam moments, step counts
     results = run_ranks(RANK_SCRIPT, [str(tmp_path), "{port}"], world=2, ddp_env=False)
     assert all(r["from_one_row_wise"] and r["from_one_table_wise"] and r["from_one_data_parallel"] for r in results)
+    assert all(r[f"from_one_state_{k}"] for r in results for k in ("row_wise", "table_wise", "data_parallel"))
     for label in ("row_wise", "table_wise", "k_step", "replicas"):
         for r in results:
             assert r[label]["loaded_equal"], label  # resharded on load, bit for bit
@@ -151,6 +161,17 @@ def test_two_ranks_save_their_own_rows_and_the_snapshot_loads_anywhere(tmp_path,
         for t in TABLES:
             ids = torch.arange(0, t.num_embeddings * 7919, 7919)
             assert torch.equal(one.rows(t.name, ids), saved[t.name]), (label, t.name)
+        # Every row's optimizer state and the step counts, as the ranks wrote them.
+        written = {}
+        for f in manifest.files:
+            for names, tables, file_ids, rows in read_snapshot_file(tmp_path / f"snap_{label}", f):
+                for k, (t, i) in enumerate(zip(tables.tolist(), file_ids.tolist())):
+                    written[(names[t], i)] = rows[k]
+        state = one._built().export()
+        held = {(n, i): row for n, table in state.items() for i, row in zip(table["ids"].tolist(), table["rows"])}
+        assert held.keys() == written.keys(), label
+        assert all(torch.equal(held[key], written[key]) for key in written), label
+        assert {n: table["steps"] for n, table in state.items()} == manifest.steps, label
     full = {r["full"] for r in results}
     assert any("snap_full/rank1-group" in f and "File too large" in f for f in full), full
     assert any("another rank failed" in f and "rank 1" in f for f in full), full
