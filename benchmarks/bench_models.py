@@ -16,9 +16,12 @@ interleaved passes after a warm-up pass each (the best pass counts), as bench_em
 
 The Lightning part trains the same DLRM through ``Trainer.fit`` on a ``CriteoDataModule``
 reading a synthetic Criteo file (1 worker), against a plain loop over the same rows already
-in memory; steps after the first 10 are timed on both.
+in memory; steps after the first 10 are timed on both. ``--lightning-rounds`` pairs run
+alternately (Trainer.fit first, then the plain loop first, ...); the cost is their median,
+with its spread.
 
     python benchmarks/bench_models.py [--models dlrm,dcnv2 --steps 20 --repeats 3]
+    python benchmarks/bench_models.py --models "" --lightning-rounds 5   # the Lightning part alone
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
 import socket
 import tempfile
 import time
@@ -181,15 +185,16 @@ def time_interleaved(steps: dict[str, object], warmup: list[Batch], batches: lis
     return {name: len(batches) * BATCH / s for name, s in best.items()}
 
 
-def lightning_overhead(steps: int, tmp: str) -> tuple[float, float]:
-    """(plain loop, Lightning + CriteoDataModule) examples/s of the DLRM on the same file."""
+def lightning_overhead(steps: int, tmp: str, rounds: int) -> list[tuple[float, float]]:
+    """``rounds`` pairs of (plain loop, Lightning + CriteoDataModule) examples/s of the DLRM on
+    the same file, alternating which of the two runs first (a machine that warms up or
+    slows down over the run then favours neither)."""
     import lightning.pytorch as pl
 
     from ctr_lightning.datamodules import CriteoDataModule, write_synthetic_criteo
 
     path = write_synthetic_criteo(os.path.join(tmp, "train.tsv"), rows=BATCH * steps, seed=0,
                                   max_cardinality=ROWS)
-    dm = CriteoDataModule(train_paths=[str(path)], batch_size=BATCH, num_workers=1)
     warm = 10
 
     class Clock(pl.Callback):
@@ -202,28 +207,42 @@ def lightning_overhead(steps: int, tmp: str) -> tuple[float, float]:
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             self.end = time.perf_counter()
 
-    torch.manual_seed(0)
-    model = build("dlrm")
-    clock = Clock()
-    trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
-    trainer.fit(model, datamodule=dm)
-    lightning_rate = (trainer.global_step - warm) * BATCH / (clock.end - clock.start)
+    def with_lightning() -> float:
+        dm = CriteoDataModule(train_paths=[str(path)], batch_size=BATCH, num_workers=1)
+        torch.manual_seed(0)
+        model, clock = build("dlrm"), Clock()
+        trainer = pl.Trainer(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
+        trainer.fit(model, datamodule=dm)
+        return (trainer.global_step - warm) * BATCH / (clock.end - clock.start)
 
+    dm = CriteoDataModule(train_paths=[str(path)], batch_size=BATCH, num_workers=1)
     dm.setup("fit")
     batches = list(dm.train_dataloader())
-    torch.manual_seed(0)
-    model = build("dlrm")
-    dense = torch.optim.Adam(model.dense_parameters(), lr=1e-3)
-    for i, batch in enumerate(batches):
-        if i == warm:
-            start = time.perf_counter()
-        loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
-        dense.zero_grad(set_to_none=True)
-        loss.backward()
-        dense.step()
-    plain_rate = (len(batches) - warm) * BATCH / (time.perf_counter() - start)
-    return plain_rate, lightning_rate
+
+    def plain_loop() -> float:
+        torch.manual_seed(0)
+        model = build("dlrm")
+        dense = torch.optim.Adam(model.dense_parameters(), lr=1e-3)
+        for i, batch in enumerate(batches):
+            if i == warm:
+                start = time.perf_counter()
+            loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
+            dense.zero_grad(set_to_none=True)
+            loss.backward()
+            dense.step()
+        return (len(batches) - warm) * BATCH / (time.perf_counter() - start)
+
+    out = []
+    for r in range(rounds):
+        if r % 2:
+            plain = plain_loop()
+            lightning = with_lightning()
+        else:
+            lightning = with_lightning()
+            plain = plain_loop()
+        out.append((plain, lightning))
+    return out
 
 
 def main() -> None:
@@ -233,6 +252,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lightning-steps", type=int, default=60, help="0 skips the Lightning part")
+    parser.add_argument("--lightning-rounds", type=int, default=5,
+                        help="pairs of (plain loop, Trainer.fit), alternating which goes first")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
@@ -242,10 +263,11 @@ def main() -> None:
     print(f"bench_models: 26 tables x {ROWS} rows x dim {DIM}, MLPs {MLP}, batch {BATCH}, {args.steps} timed "
           f"steps x {args.repeats} interleaved rounds (best), torch threads {torch.get_num_threads()}")
     warmup, batches = zipf_batches(5, seed=1), zipf_batches(args.steps, seed=2)
-    kinds = args.kinds.split(",")
-    print(f"  {'model':10} " + " ".join(f"{k + ' ex/s':>14}" for k in kinds)
-          + ("  ours/torchrec  ours/plain" if "ours" in kinds else ""))
-    for name in args.models.split(","):
+    kinds, models = args.kinds.split(","), [m for m in args.models.split(",") if m]  # "": the Lightning part alone
+    if models:
+        print(f"  {'model':10} " + " ".join(f"{k + ' ex/s':>14}" for k in kinds)
+              + ("  ours/torchrec  ours/plain" if "ours" in kinds else ""))
+    for name in models:
         steps = {kind: implementation(name, kind)[1] for kind in kinds}
         rates = time_interleaved(steps, warmup, batches, args.repeats)
         line = f"  {name:10} " + " ".join(f"{rates[k]:14,.0f}" for k in kinds)
@@ -254,9 +276,14 @@ def main() -> None:
         print(line, flush=True)
     if args.lightning_steps:
         with tempfile.TemporaryDirectory(prefix="bench_models_") as tmp:
-            plain, lightning = lightning_overhead(args.lightning_steps, tmp)
-        print(f"  DLRM, plain loop over batches in memory {plain:,.0f} ex/s; Trainer.fit + CriteoDataModule "
-              f"{lightning:,.0f} ex/s: Lightning and the DataModule cost {1 - lightning / plain:.1%}")
+            pairs = lightning_overhead(args.lightning_steps, tmp, args.lightning_rounds)
+        costs = [1 - lightning / plain for plain, lightning in pairs]
+        for r, ((plain, lightning), cost) in enumerate(zip(pairs, costs)):
+            first = "plain loop" if r % 2 else "Trainer.fit"
+            print(f"  round {r + 1} ({first} first): plain loop over batches in memory {plain:,.0f} ex/s; "
+                  f"Trainer.fit + CriteoDataModule {lightning:,.0f} ex/s: cost {cost:.1%}")
+        print(f"  Lightning and the DataModule cost {statistics.median(costs):.1%} (median of {len(costs)} "
+              f"alternated rounds; {min(costs):.1%} to {max(costs):.1%})")
 
 
 if __name__ == "__main__":
