@@ -6,6 +6,10 @@ before the break."""
 import gzip
 import re
 
+import pytest
+
+from ctr_lightning.datamodules import UnreadableFileError
+
 from ..conftest import real_criteo_sample
 from .test_cli_runs import run_cli
 
@@ -14,7 +18,7 @@ SMALL = ["--config", "configs/criteo.yaml", "--data.batch_size", "256", "--data.
          "--model.over_arch_layer_sizes", "[8, 1]", "--trainer.enable_progress_bar", "false"]
 
 
-def test_a_truncated_gzip_fails_every_stage_unless_skipped(tmp_path):
+def test_a_truncated_gzip_fails_every_stage_unless_skipped(tmp_path, in_process):
     # As in the report: the sample gzipped, cut to its first 311,728 bytes.
     truncated = tmp_path / "trunc.tsv.gz"
     truncated.write_bytes(gzip.compress(real_criteo_sample().big.read_bytes())[:311_728])
@@ -42,9 +46,11 @@ def test_a_truncated_gzip_fails_every_stage_unless_skipped(tmp_path):
     assert not (tmp_path / "pred" / "predictions" / "scores-rank00000.tsv").exists()
 
     for stage, paths in (("validate", "--data.val_paths"), ("test", "--data.test_paths")):
-        failed = run_cli(stage, *SMALL, paths, f"[{truncated}]", "--ckpt_path", str(checkpoint),
-                         "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path / stage))
-        assert failed.returncode != 0 and f"{truncated}: unreadable from record {intact + 1} on" in failed.stderr, stage
+        # In this process (the same CLI, without a second interpreter's start-up).
+        with pytest.raises(UnreadableFileError, match=f"{re.escape(str(truncated))}: unreadable from record "
+                                                      f"{intact + 1} on"):
+            in_process([stage, *SMALL, paths, f"[{truncated}]", "--ckpt_path", str(checkpoint),
+                        "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path / stage)])
 
     scored = run_cli(*predict, "--data.bad_files", "skip")
     assert scored.returncode == 0, scored.stderr[-3000:]
