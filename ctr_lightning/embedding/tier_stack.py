@@ -210,22 +210,21 @@ class TierStack:
                         needed_after: int | None) -> tuple[np.ndarray, Rows]:
         """Device rows to evict, sparing ``pinned`` (this batch's) and the rows of training
         forwards whose backward is to come."""
-        held = self._pinned()
-        try:
-            return self.device_tier.choose_victims(need, np.concatenate([pinned, *held]), self.names, needed_after)
-        except TierFull:
-            if not held:
-                raise  # this batch alone is too big: the message says so
-        # Graphs kept alive only by reference cycles (a traceback, torchrec's all-to-all
-        # requests) are freed by the cycle collector alone; their release comes with it.
-        gc.collect()
-        held = self._pinned()
-        try:
-            return self.device_tier.choose_victims(need, np.concatenate([pinned, *held]), self.names, needed_after)
-        except TierFull as full:
-            if not held:
-                raise
-            raise self._held_by_forwards(full, held) from None
+        for collected in (False, True):
+            if collected:
+                # Graphs kept alive only by reference cycles (a traceback, torchrec's all-to-all
+                # requests) are freed by the cycle collector alone; their release comes with it.
+                gc.collect()
+            held = self._pinned()
+            try:
+                return self.device_tier.choose_victims(need, np.concatenate([pinned, *held]), self.names,
+                                                       needed_after)
+            except TierFull as full:
+                if not held:
+                    raise  # this batch alone is too big: the message says so
+                if collected:
+                    raise self._held_by_forwards(full, held) from None
+        raise AssertionError("unreachable")
 
     def _held_by_forwards(self, full: TierFull, held: list[np.ndarray]) -> TierFull:
         """The error for a tier that rows of earlier forwards fill, not the batch (``full``
