@@ -8,19 +8,26 @@ backward + sparse update:
   (d) the same with 10% of the rows in DRAM (the device tier, which is DRAM on a CPU
       machine; no separate host tier) and the rest on SSD
   (e) (d) with the working-set prefetcher reading 4 batches ahead
+  (d cold), (e cold) the same two with the SSD files dropped from the page cache after
+      every step (fdatasync + POSIX_FADV_DONTNEED), so reads wait on the device
 Prints lookups/s, the ratios, and for (d) and (e) the time each step waited on SSD
-reads. Absolute numbers on shared 2-core machines are noise. By default the SSD files
-stay in the page cache, as they do on a machine with DRAM to spare; ``--cold-ssd``
-drops them after every step so reads wait on the device.
+reads. Absolute numbers on shared 2-core machines are noise. (d) and (e) leave the SSD
+files in the page cache, as a machine with DRAM to spare does; the cold pair charges
+each step the sync and the device reads. ``--runs N`` repeats the whole measurement in
+N fresh processes and prints the median ratio with its range: single runs swing by
+about 15% (first-touch page faults land on either side).
 
-    python benchmarks/bench_embedding.py [--rows 200000 --steps 10 --cold-ssd]
+    python benchmarks/bench_embedding.py --repeats 8 --runs 5
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -130,17 +137,52 @@ def torch_sparse_adam(rows: int):
     return step
 
 
+def drop_from_page_cache(directory: str) -> None:
+    """Sync every file under ``directory`` and drop its pages, whichever SSD store wrote it."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            except FileNotFoundError:  # a segment cleaned meanwhile
+                continue
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
 def ours(rows: int, storage: StorageConfig | None, cold: bool = False):
     ebc = TieredEmbeddingBagCollection(configs(rows), storage=storage, optimizer=SparseAdam(lr=1e-3))
 
     def step(kjt):
         ebc(kjt).values().sum().backward()
         if cold:  # the SSD tier's pages leave the page cache: reads go to the device
-            for group in ebc._built().groups:
-                with group.tiers.ssd.lock:
-                    os.fdatasync(group.tiers.ssd.fd)
-                    os.posix_fadvise(group.tiers.ssd.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            drop_from_page_cache(storage.ssd_dir)
     return ebc, step
+
+
+RATIOS = {
+    "(c)/(a)": ("(c)", "(a)"), "(d)/(c)": ("(d)", "(c)"), "(e)/(c)": ("(e)", "(c)"),
+    "(d cold)/(c)": ("(d cold)", "(c)"), "(e cold)/(c)": ("(e cold)", "(c)"),
+}
+
+
+def repeat_runs(args: argparse.Namespace) -> None:
+    """Each run a fresh process, so its page faults and allocator state are its own."""
+    forwarded = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
+                 if name not in ("runs", "json")]
+    rows = []
+    for run in range(args.runs):
+        out = subprocess.run([sys.executable, __file__, *forwarded, "--json"], check=True,
+                             capture_output=True, text=True).stdout
+        ratios = json.loads(out.strip().splitlines()[-1])
+        rows.append(ratios)
+        print(f"run {run + 1}: " + "   ".join(f"{k} {v:.2f}x" for k, v in ratios.items()), flush=True)
+    print(f"{args.runs} runs, median (range):")
+    for key in rows[0]:
+        values = sorted(r[key] for r in rows)
+        print(f"  {key:<14}{np.median(values):.2f}x ({values[0]:.2f}x-{values[-1]:.2f}x)")
 
 
 def main() -> None:
@@ -151,36 +193,52 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds; the best pass counts")
     parser.add_argument("--zipf", type=float, default=1.1, help="skew (the synthetic Criteo default)")
     parser.add_argument("--lookahead", type=int, default=4, help="batches the prefetcher reads ahead in (e)")
-    parser.add_argument("--cold-ssd", action="store_true",
-                        help="after each step of (d) and (e), sync the SSD files and drop them from the page "
-                             "cache, so SSD reads hit the device instead of DRAM")
+    parser.add_argument("--runs", type=int, default=1, help="fresh processes; prints the median ratio and range")
+    parser.add_argument("--json", action="store_true", help="last line: the ratios as JSON (used by --runs)")
     args = parser.parse_args()
+    if args.runs > 1:
+        repeat_runs(args)
+        return
     warmup = zipf_batches(args.rows, args.warmup, seed=0, s=args.zipf)
     batches = zipf_batches(args.rows, args.steps, seed=1, s=args.zipf)
     print(f"{TABLES} tables x {args.rows:,} rows, dim {DIM}, batch {BATCH}, Zipf s={args.zipf}")
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_SSD_DIR")) as ssd:
         # On a CPU machine the device tier is DRAM already: all 10% go there, no second copy.
         tiers = StorageConfig(device_rows=args.rows // 10, host_rows=0)
-        tiered, tiered_step = ours(args.rows, dataclasses.replace(tiers, ssd_dir=os.path.join(ssd, "d")), args.cold_ssd)
-        ahead, ahead_step = ours(args.rows, dataclasses.replace(tiers, ssd_dir=os.path.join(ssd, "e")), args.cold_ssd)
+        def tiered_at(name: str, cold: bool):
+            return ours(args.rows, dataclasses.replace(tiers, ssd_dir=os.path.join(ssd, name)), cold)
+
+        tiered, tiered_step = tiered_at("d", False)
+        ahead, ahead_step = tiered_at("e", False)
         ahead_pass = prefetched(ahead, ahead_step, args.lookahead)
+        _, cold_step = tiered_at("d_cold", True)
+        cold_ahead, cold_ahead_step = tiered_at("e_cold", True)
         passes = {
-            "(a) torchrec DMP fused, row-wise Adagrad": each(torchrec_fused(args.rows)[1]),
-            "(b) nn.EmbeddingBag + SparseAdam": each(torch_sparse_adam(args.rows)),
-            "(c) ours, Adam, all in device tier": each(ours(args.rows, None)[1]),
-            "(d) ours, Adam, 10% DRAM + SSD": each(tiered_step),
-            f"(e) (d) + prefetch {args.lookahead} ahead": ahead_pass,
+            "(a)": each(torchrec_fused(args.rows)[1]),
+            "(b)": each(torch_sparse_adam(args.rows)),
+            "(c)": each(ours(args.rows, None)[1]),
+            "(d)": each(tiered_step),
+            "(e)": ahead_pass,
+            "(d cold)": each(cold_step),
+            "(e cold)": prefetched(cold_ahead, cold_ahead_step, args.lookahead),
         }
         results = time_interleaved(passes, warmup, batches, args.repeats)
         stats, ahead_stats = tiered.tier_stats(), ahead.tier_stats()
     steps_run = (args.warmup + args.repeats * args.steps)
-    print(f"{'configuration':<44}{'lookups/s':>14}")
-    for name, rate in results.items():
-        print(f"{name:<44}{rate:>14,.0f}")
-    a, _, c, d, e = results.values()
-    print(f"ratio (c)/(a): {c / a:.2f}x   (target >= 1.0)")
-    print(f"ratio (d)/(c): {d / c:.2f}x   (target >= 0.5)")
-    print(f"ratio (e)/(c): {e / c:.2f}x   (target >= 0.8)")
+    names = {
+        "(a)": "torchrec DMP fused, row-wise Adagrad", "(b)": "nn.EmbeddingBag + SparseAdam",
+        "(c)": "ours, Adam, all in device tier", "(d)": "ours, Adam, 10% DRAM + SSD (page-cached)",
+        "(e)": f"(d) + prefetch {args.lookahead} ahead", "(d cold)": "(d), SSD dropped from page cache",
+        "(e cold)": "(e), SSD dropped from page cache",
+    }
+    print(f"{'configuration':<56}{'lookups/s':>14}")
+    for key, rate in results.items():
+        print(f"{key + ' ' + names[key]:<56}{rate:>14,.0f}")
+    ratios = {label: results[top] / results[bottom] for label, (top, bottom) in RATIOS.items()}
+    targets = {"(c)/(a)": 1.0, "(d)/(c)": 0.5, "(e)/(c)": 0.8}
+    for label, ratio in ratios.items():
+        target = f"   (target >= {targets[label]})" if label in targets else ""
+        print(f"ratio {label}: {ratio:.2f}x{target}")
     print(f"(d) SSD stall per step: {stats['ssd_stall_us'] / 1000 / steps_run:.2f} ms")
     passes_run = 1 + args.repeats
     steady = ahead_stats["ssd_stall_us"] + ahead_pass.wait_us - ahead_pass.startup_us
@@ -190,6 +248,8 @@ def main() -> None:
     print(f"(e) prefetch hits {ahead_stats['prefetch_hits']:,}, demand SSD reads {ahead_stats['ssd_hits']:,}, "
           f"read ahead {ahead_stats['prefetch_bytes'] / 2**20:,.0f} MiB")
     print(f"(d) rows served by tier: { {k: stats[k] for k in ('device_hits', 'ssd_hits', 'new_rows')} }")
+    if args.json:
+        print(json.dumps(ratios))
 
 
 if __name__ == "__main__":
