@@ -10,7 +10,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -118,12 +118,38 @@ def _unique_rows(*kjts: KeyedJaggedTensor) -> int:
     return sum(len(np.unique(np.concatenate([d[k].values().numpy() for d in per_key]))) for k in per_key[0])
 
 
+@dataclasses.dataclass(frozen=True)
+class RateSamples:
+    """What :func:`sample_rates` times on one rank, before any fit.
+
+    ``steps``: per skew of the ids (1.4, 1.1, 0.8, uniform), a step's median seconds and the
+    mean distinct rows its batches touch, each step pooling ``lookups`` ids. With an SSD,
+    ``ssd_steps``: per read density (uniform, then Zipf 1.4), every timed step's raw
+    ``(seconds, distinct rows, rows read from the SSD)``. These are kept per step and
+    before the fitted fixed and per-row cost are taken away, because that takes the fit,
+    and :func:`fit_rates` takes the median of the differences, as measured. Last,
+    ``ssd_file_bytes``: the bytes of the tier's files.
+
+    Example::
+
+        samples = sample_rates(shape, threads=2, ssd_dir="runs/calibrate")
+        rates = fit_rates(shape, samples)  # what measure_rates(shape, 2, "runs/calibrate") returns
+    """
+
+    threads: int
+    lookups: int
+    steps: tuple[tuple[float, float], ...]
+    ssd_steps: tuple[tuple[tuple[float, float, float], ...], ...] = ()
+    ssd_file_bytes: int = 0
+
+
 def measure_rates(shape: ModelShape, threads: int, ssd_dir: str | None = None, rows: int = 100_000,
                   steps: int = 5, base: HardwareRates | None = None,
                   process_group: dist.ProcessGroup | None = None) -> HardwareRates:
     """This machine's rates for one rank of ``threads`` threads, measured on ``shape``'s
     model with ``rows`` rows a table (all in memory), and with ``ssd_dir``, on the SSD tier
-    with its pages dropped from the page cache after every step.
+    with its pages dropped from the page cache after every step: :func:`sample_rates`,
+    then :func:`fit_rates`.
 
     A step's time is fitted as ``fixed + b * distinct rows`` over batches of several skews
     (the ids a step pools are the same in each): ``fixed`` becomes the dense part, ``b``
@@ -136,13 +162,26 @@ def measure_rates(shape: ModelShape, threads: int, ssd_dir: str | None = None, r
         rates = measure_rates(shape, threads=2, ssd_dir="runs/calibrate")
         plan(machine, shape, rates=rates)
     """
+    return fit_rates(shape, sample_rates(shape, threads, ssd_dir, rows, steps, process_group), base)
+
+
+def sample_rates(shape: ModelShape, threads: int, ssd_dir: str | None = None, rows: int = 100_000,
+                 steps: int = 5, process_group: dist.ProcessGroup | None = None) -> RateSamples:
+    """The timings :func:`measure_rates` fits (its arguments but ``base``); the SSD tier's
+    files, under a temporary folder of ``ssd_dir``, are gone when it returns.
+
+    Example::
+
+        samples = sample_rates(shape, threads=1, ssd_dir="/tmp", rows=3000, steps=2)
+        samples.steps  # ((0.0021, 105.5), (0.0023, 240.0), ...): (seconds, distinct rows) per skew
+    """
     set_threads(threads)
     rng = np.random.default_rng(0)
-    base = base or HardwareRates.published("cpu")
     ebc, step = dlrm_step(shape, None, process_group=process_group)
     fill_tables(step, shape, rows)
-    samples = []
+    timed = []
     n = len(shape.tables)
+    lookups = shape.batch_size * n
     for skew in (1.4, 1.1, 0.8, 0.0):
         batches = [make_batch(rng, shape, rows, [skew] * n) for _ in range(steps + 1)]
         step(batches[0])
@@ -151,21 +190,11 @@ def measure_rates(shape: ModelShape, threads: int, ssd_dir: str | None = None, r
             start = time.perf_counter()
             step(batch)
             times.append(time.perf_counter() - start)
-        lookups = shape.batch_size * n
-        samples.append((float(np.median(times)), lookups, np.mean([_unique_rows(b[1]) for b in batches[1:]])))
-    # Lookups per step are the same in every sample, so their cost goes into `fixed`.
-    t = np.array([s[0] for s in samples])
-    u = np.array([s[2] for s in samples])
-    slope, fixed = np.polyfit(u, t, 1)
-    row_op = max(float(slope), 0.0)
-    fixed = max(float(fixed), 1e-6)
-    rates = dataclasses.replace(base, name=f"measured here ({threads} thread{'s' if threads > 1 else ''})",
-                                device_bw=INF, host_to_device_bw=INF, row_op_s=row_op, lookup_op_s=0.0,
-                                dense_flops=shape.dense_flops_per_example * shape.batch_size / fixed)
+        timed.append((float(np.median(times)), float(np.mean([_unique_rows(b[1]) for b in batches[1:]]))))
     del ebc
     if ssd_dir is None:
-        return rates
-    budget_rows = max(4 * int(u.max() / n), rows // 10)
+        return RateSamples(threads, lookups, tuple(timed))
+    budget_rows = max(4 * int(max(u for _, u in timed) / n), rows // 10)
     from ctr_lightning.embedding import StorageConfig
 
     with tempfile.TemporaryDirectory(dir=ssd_dir) as d:
@@ -175,29 +204,65 @@ def measure_rates(shape: ModelShape, threads: int, ssd_dir: str | None = None, r
         # Two read densities on the same files, far apart (every row alike, and a hot head):
         # their costs give both the cost of a random read and how many bytes one brings in
         # (rows near a read come free).
-        points = []
+        densities = []
         for skew in (0.0, 1.4):
             batches = [make_batch(rng, shape, rows, [skew] * n) for _ in range(steps + 3)]
             for batch in batches[:3]:
                 step(batch)
-            seconds, reads = [], []
+            per_step = []
             for batch in batches[3:]:
                 drop_cached_pages(d)
                 before = ebc.tier_stats()["ssd_hits"]
                 start = time.perf_counter()
                 step(batch)
-                seconds.append(time.perf_counter() - start - fixed - row_op * _unique_rows(batch[1]))
-                reads.append(ebc.tier_stats()["ssd_hits"] - before)
-            points.append((max(float(np.median(seconds)), 1e-6), float(np.median(reads))))
+                seconds = time.perf_counter() - start
+                per_step.append((seconds, float(_unique_rows(batch[1])),
+                                 float(ebc.tier_stats()["ssd_hits"] - before)))
+            densities.append(tuple(per_step))
         file_bytes = ebc.storage_stats()["ssd_bytes"]
         ebc.stop_prefetch()
         del ebc
+    return RateSamples(threads, lookups, tuple(timed), tuple(densities), int(file_bytes))
+
+
+def fit_rates(shape: ModelShape, samples: RateSamples, base: HardwareRates | None = None) -> HardwareRates:
+    """``base`` (the published CPU rates unless given) with the rates ``samples`` of
+    ``shape``'s model show: ``row_op_s`` and ``dense_flops`` from the least-squares line
+    ``seconds = fixed + row_op_s * distinct rows``; with SSD steps, ``ssd_read_iops`` and
+    ``ssd_read_unit`` from what the two read densities cost beyond that line, as
+    ``c * W * (1 - exp(-reads / W))`` for W windows of the files read at ``c`` seconds each.
+    No I/O and no clock: the same samples give the same rates.
+
+    Example::
+
+        samples = RateSamples(threads=1, lookups=512, steps=((2.3e-3, 100.0), (2.9e-3, 300.0)))
+        fit_rates(shape, samples).row_op_s  # 3e-6
+    """
+    base = base or HardwareRates.published("cpu")
+    t = np.array([s[0] for s in samples.steps])
+    u = np.array([s[1] for s in samples.steps])
+    # Lookups per step are the same in every sample, so their cost goes into `fixed`.
+    slope, fixed = np.polyfit(u, t, 1)
+    row_op = max(float(slope), 0.0)
+    fixed = max(float(fixed), 1e-6)
+    threads = samples.threads
+    rates = dataclasses.replace(base, name=f"measured here ({threads} thread{'s' if threads > 1 else ''})",
+                                device_bw=INF, host_to_device_bw=INF, row_op_s=row_op, lookup_op_s=0.0,
+                                dense_flops=shape.dense_flops_per_example * shape.batch_size / fixed)
+    if not samples.ssd_steps:
+        return rates
+    points = []
+    for per_step in samples.ssd_steps:
+        # What a step costs beyond the in-memory line is its SSD reads'.
+        seconds = [s - fixed - row_op * rows for s, rows, _ in per_step]
+        points.append((max(float(np.median(seconds)), 1e-6), float(np.median([r for _, _, r in per_step]))))
     (t1, r1), (t2, r2) = points
     if min(r1, r2) < 2 * PARALLEL_READ_MIN:
         # The tier reads fewer rows one at a time: the two costs would differ by that, not by density.
         warnings.warn(f"SSD calibration: {min(r1, r2):.0f} rows read a step at one density, under the "
                       f"{2 * PARALLEL_READ_MIN} from which the SSD tier reads in parallel; its cost a read "
                       f"mixes serial and parallel reads (raise the batch size or the rows)", stacklevel=2)
+    file_bytes = samples.ssd_file_bytes
     windows = _windows(t1, r1, t2, r2)
     unit = int(min(max(file_bytes / windows, 4096), file_bytes)) if windows else 4096
     units = windows * -np.expm1(-r1 / windows) if windows else r1
@@ -227,6 +292,31 @@ def _windows(t1: float, r1: float, t2: float, r2: float) -> float | None:
     return math.sqrt(lo * hi)
 
 
+@dataclasses.dataclass(frozen=True)
+class LinkSamples:
+    """What :func:`sample_links` times on one rank of ``world``, before any fit.
+
+    ``all_to_all``: a small and a large all-to-all, each as (bytes a rank sends to the
+    others, median seconds). ``seconds``: a step's median seconds per (run, batch size),
+    the runs ``"local"`` (this rank alone), ``"row_wise"``, ``"table_wise"`` and
+    ``"data_parallel"``, at 16 examples and at ``examples``. ``local_rows``: per batch size,
+    the mean distinct rows of this rank's batch alone; ``replica_rows``: per data-parallel
+    batch size, the mean distinct rows of this rank's batch and of all ranks' together.
+
+    Example::
+
+        samples = sample_links(shape, reps=3)  # collective: every rank of the group calls it
+        links = fit_links(rates, shape, samples)  # what measure_links(rates, shape, reps=3) returns
+    """
+
+    world: int
+    examples: int
+    all_to_all: tuple[tuple[float, float], tuple[float, float]]
+    seconds: Mapping[tuple[str, int], float]
+    local_rows: Mapping[int, float]
+    replica_rows: Mapping[int, tuple[float, float]]
+
+
 def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGroup | None = None,
                   reps: int = 9, examples: int | None = None) -> HardwareRates:
     """``rates`` with the links between the ranks of ``group`` (collective): the bandwidth
@@ -239,7 +329,25 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
     and as ``replica_op_s`` of each row gradient a data-parallel replica
     applies (every table data-parallel, on ``examples`` against 16). ``examples`` is the
     shape's batch size unless given: the costs found at the batch they price, whose work
-    stands well above the noise of the fixed costs taken away."""
+    stands well above the noise of the fixed costs taken away. :func:`sample_links`, then
+    :func:`fit_links`.
+
+    Example::
+
+        links = measure_links(measure_rates(shape, threads=1, process_group=alone), shape)
+    """
+    return fit_links(rates, shape, sample_links(shape, group, reps, examples))
+
+
+def sample_links(shape: ModelShape, group: dist.ProcessGroup | None = None, reps: int = 9,
+                 examples: int | None = None) -> LinkSamples:
+    """The timings :func:`measure_links` fits (collective: every rank of ``group`` calls it).
+
+    Example::
+
+        samples = sample_links(shape, reps=3)
+        samples.seconds["row_wise", 16] - samples.seconds["local", 16]  # 5 collectives' latency
+    """
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     results = []
     for nbytes in (1 << 12, 1 << 23):
@@ -253,9 +361,6 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
             dist.all_to_all_single(y, x, group=group)
             times.append(time.perf_counter() - start)
         results.append((x.numel() * 4 * (world - 1) / world, float(np.median(times))))
-    (b0, t0), (b1, t1) = results
-    # From the difference, unless noise swallowed it: then the large transfer alone.
-    bw = (b1 - b0) / (t1 - t0) if t1 > 1.1 * t0 else b1 / t1
     alone = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
     rng = np.random.default_rng(rank)
     b = max(examples or shape.batch_size, 32)
@@ -290,6 +395,24 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
             step(batch)
             times.append(time.perf_counter() - start)
         seconds[name, batch_size] = float(np.median(times))
+    return LinkSamples(world, b, (results[0], results[1]), seconds, local_rows, replica_rows)
+
+
+def fit_links(rates: HardwareRates, shape: ModelShape, samples: LinkSamples) -> HardwareRates:
+    """``rates`` with the link rates ``samples`` of ``shape``'s model show (see
+    :func:`measure_links` for what each prices); no I/O and no clock.
+
+    Example::
+
+        links = fit_links(rates, shape, LinkSamples(world=2, examples=64, all_to_all=..., seconds=...,
+                                                    local_rows=..., replica_rows=...))
+        links.intra_node_bw  # bytes/s
+    """
+    world, b, seconds = samples.world, samples.examples, samples.seconds
+    local_rows, replica_rows = samples.local_rows, samples.replica_rows
+    (b0, t0), (b1, t1) = samples.all_to_all
+    # From the difference, unless noise swallowed it: then the large transfer alone.
+    bw = (b1 - b0) / (t1 - t0) if t1 > 1.1 * t0 else b1 / t1
     collectives = 5  # as the cost model counts a sharded step's: ids, lengths, pooled rows, their grads, dense
     latency = max((seconds["row_wise", 16] - seconds["local", 16]) / collectives, 1e-6)
     # At b examples: table-wise, each rank pools its own tables' bags for all ranks (as
@@ -324,4 +447,3 @@ def measure_links(rates: HardwareRates, shape: ModelShape, group: dist.ProcessGr
     replica = max((left_large - left_small) / max(rows_large - rows_small, 1.0), 0.0)
     return dataclasses.replace(rates, intra_node_bw=bw, collective_latency_s=latency, example_op_s=example,
                                bag_op_s=bag, replica_op_s=replica)
-
