@@ -69,17 +69,42 @@ class WithTables(OverArch):
         return F.binary_cross_entropy_with_logits(self.net(x).squeeze(-1), y)
 
 
+def link_bytes() -> tuple[int, int] | None:
+    """Bytes sent and received so far by the interface gloo uses (``GLOO_SOCKET_IFNAME``):
+    the veth end of this rank's namespace, as the kernel counts them (TCP/IP headers
+    included). None outside bench_kstep.sh's namespaces."""
+    name = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not name:
+        return None
+    stats = f"/sys/class/net/{name}/statistics"
+    try:
+        with open(f"{stats}/tx_bytes") as tx, open(f"{stats}/rx_bytes") as rx:
+            return int(tx.read()), int(rx.read())
+    except OSError:
+        return None
+
+
 class Clock(pl.Callback):
-    """Times the steps after the first few (connection set-up, allocator warm-up)."""
+    """Times the steps after the first few (connection set-up, allocator warm-up), and
+    reads the link's byte counters over the same steps."""
 
     def __init__(self, skip: int = 4) -> None:
         self.skip, self.start, self.steps = skip, 0.0, 0
+        self.link_start = self.link_end = None
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if batch_idx + 1 == self.skip:
             self.start = time.perf_counter()
+            self.link_start = link_bytes()
         elif batch_idx + 1 > self.skip:
             self.steps += 1
+            self.link_end = link_bytes()
+
+    def link_per_step(self) -> tuple[float, float] | None:
+        """Bytes sent and received on the link per timed step, measured."""
+        if self.link_start is None or self.link_end is None or not self.steps:
+            return None
+        return tuple((end - start) / self.steps for start, end in zip(self.link_start, self.link_end))
 
 
 # With tables: (dense k, sparse_sync, the tables' sync_state_dtype). Fully synchronous
@@ -136,13 +161,17 @@ def main() -> None:
     seconds = time.perf_counter() - clock.start
     params = sum(p.numel() for p in module.parameters())
     tables_sent = module.ebc.comm_bytes() / args.steps if isinstance(module, WithTables) else 0.0
+    # The model of the bytes, kept as a cross-check of the measured ones.
     if isinstance(chosen, KStepAdamStrategy):
-        sent = chosen.comm_bytes()[1] / args.steps + tables_sent  # the tables' all-to-alls cross the link too
+        modelled = chosen.comm_bytes()[1] / args.steps + tables_sent  # the tables' all-to-alls cross the link too
     else:  # a ring all-reduce of the gradients every step (plus the periodic averages)
-        sent = 2 * (2 - 1) * params * 4 / 2 * (1 + 1 / 16)
+        modelled = 2 * (2 - 1) * params * 4 / 2 * (1 + 1 / 16)
+    measured = clock.link_per_step()
     if trainer.global_rank == 0:
         print("RESULT " + json.dumps({"config": args.config, "steps_per_s": clock.steps / seconds,
-                                      "bytes_per_step": sent, "table_bytes_per_step": tables_sent,
+                                      "sent_per_step": measured[0] if measured else None,
+                                      "received_per_step": measured[1] if measured else None,
+                                      "modelled_per_step": modelled, "table_bytes_per_step": tables_sent,
                                       "params": params}), flush=True)
     if torch.distributed.is_initialized():  # an orderly shutdown of the gloo threads
         torch.distributed.destroy_process_group()

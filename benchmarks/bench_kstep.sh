@@ -14,8 +14,11 @@
 #   emb_sparse16 dense k=1, sparse_sync="k_step" (replicas, deltas to owners every 16 steps)
 #   emb_k16      dense k=16, sparse_sync="k_step": k-step for both parts
 #   emb_k16_fp32 (on request) the same with the tables' optimizer state sent in float32
-# It prints steps/s, bytes sent across the link per step and the ratios, for each rate of
-# RATES (tbf), and last the line `k16 dense+sparse / synchronous: X.XXx steps/s, Y.Yx fewer
+# It prints steps/s, the bytes rank 0 sent and received across the link per timed step
+# as the kernel counts them (the veth end's tx_bytes / rx_bytes in its namespace, read
+# before and after the timed steps; TCP/IP headers included), the bytes the code's own
+# model expects it to send (a cross-check) and the tables' share of that model, and the
+# ratios (from the measured bytes sent), for each rate of RATES (tbf), and last the line `k16 dense+sparse / synchronous: X.XXx steps/s, Y.Yx fewer
 # bytes` (at the first rate). Needs root (ip netns). The namespaces and addresses
 # (10.77.0.1/2) are created here and removed on exit.
 #   sudo RATES="100mbit 1gbit" STEPS=68 BATCH=256 benchmarks/bench_kstep.sh
@@ -49,7 +52,7 @@ for RATE in $RATES; do
     ip netns exec ctrk_node$i tc qdisc replace dev ctrk_veth$i root tbf rate "$RATE" burst 64kb latency 50ms
   done
   printf "\n%s link between two namespaces, 2 nodes x 1 rank, gloo, %s steps of batch %s\n" "$RATE" "$STEPS" "$BATCH"
-  printf "%-13s %12s %22s %18s\n" configuration steps/s "bytes/step on link" "of which tables"
+  printf "%-13s %10s %16s %16s %16s %16s\n" configuration steps/s "sent/step" "received/step" "model: sent" "model: tables"
   PAIRS=()
   for config in ${CONFIGS:-k1 k16 k16_fp32 k16_overlap ddp_avg16 emb_sync emb_step emb_sparse16 emb_k16}; do
     port=$((29600 + RANDOM % 1000))
@@ -62,11 +65,9 @@ for RATE in $RATES; do
     wait
     line=$(grep '^RESULT ' "/tmp/ctrk_$config.0.log" | sed 's/^RESULT //') || {
       echo "$config failed:"; tail -20 "/tmp/ctrk_$config.0.log" "/tmp/ctrk_$config.1.log"; exit 1; }
-    rate=$("$PY" -c "import json,sys; print(json.loads(sys.argv[1])['steps_per_s'])" "$line")
-    sent=$("$PY" -c "import json,sys; print(int(json.loads(sys.argv[1])['bytes_per_step']))" "$line")
-    tables=$("$PY" -c "import json,sys; print(int(json.loads(sys.argv[1])['table_bytes_per_step']))" "$line")
+    read -r rate sent received modelled tables < <("$PY" -c "import json,sys; r=json.loads(sys.argv[1]); print(r['steps_per_s'], int(r['sent_per_step']), int(r['received_per_step']), int(r['modelled_per_step']), int(r['table_bytes_per_step']))" "$line")
     PAIRS+=("$config=$rate=$sent")
-    printf "%-13s %12.3f %22d %18d\n" "$config" "$rate" "$sent" "$tables"
+    printf "%-13s %10.3f %16d %16d %16d %16d\n" "$config" "$rate" "$sent" "$received" "$modelled" "$tables"
   done
   # Ratios go to the terminal; the k16-both-parts line of the first rate is kept for the end.
   line=$("$PY" "$ROOT/benchmarks/kstep_ratios.py" "$RATE" "${PAIRS[@]}")
