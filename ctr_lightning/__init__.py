@@ -10,9 +10,8 @@ Example::
 import os
 
 # Idle OpenMP threads (torch's and numba's) sleep instead of spinning: the SSD tier's
-# read and write threads need the cores they would spin on. On 2 cores, with tables past
-# 1.5x RAM, the last 10% of the run took 0.50 CPU s a step instead of 0.62 and ran 1.11x
-# faster (benchmarks/bench_out_of_core.py --compare-spinning, docs/benchmarks.md).
+# read and write threads need the cores they would spin on (measured by
+# benchmarks/bench_out_of_core.py --skip checkpoint --compare-spinning; docs/benchmarks.md).
 # Each OpenMP runtime reads it when it loads: torch's when torch is imported (so it holds
 # for torch only when ctr_lightning comes first, as in the ctr-lightning command), numba's
 # at its first parallel kernel. Child processes inherit it. GOMP_SPINCOUNT=300000 restores
@@ -24,11 +23,12 @@ from ctr_lightning.batch import Batch  # noqa: E402
 
 # The modules of every config class a checkpoint may hold (see checkpoint_safe): importing
 # ctr_lightning is then enough for torch.load(..., weights_only=True) to rebuild them.
-import ctr_lightning.datamodules.synthetic_criteo  # noqa: E402,F401
+# None of them imports Lightning, so `import ctr_lightning.embedding` stays light.
 import ctr_lightning.embedding.optimizers  # noqa: E402,F401
 import ctr_lightning.embedding.sharding_plan  # noqa: E402,F401
 import ctr_lightning.embedding.storage_config  # noqa: E402,F401
-import ctr_lightning.strategies.node_layout  # noqa: E402,F401
+import ctr_lightning.node_layout  # noqa: E402,F401
+import ctr_lightning.synthetic_criteo_spec  # noqa: E402,F401
 
 __all__ = ["Batch"]
 __version__ = "0.1.0"

@@ -368,7 +368,7 @@ def main(args: list[str] | None = None) -> None:
         export_main(argv[1:])
         return
     if argv[:1] in (["plan"], ["topology"]):
-        from ctr_lightning.topology.plan_command import plan_main, topology_main
+        from ctr_lightning.plan_command import plan_main, topology_main
 
         (plan_main if argv[0] == "plan" else topology_main)(argv[1:])
         return

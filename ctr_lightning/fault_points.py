@@ -4,14 +4,14 @@ process, with SIGKILL, for real.
 ``CTR_LIGHTNING_KILL_AT="<point>:<n>"`` kills the process at its n-th arrival at
 ``<point>``. The points: ``train_step`` (a training forward done, its backward not),
 ``ssd_write`` (rows half-way into an SSD segment: an eviction's write-back),
-``ssd_clean`` (live rows of a segment being compacted copied, the segment not yet
+``ssd_clean`` (live rows of a segment being cleaned copied, the segment not yet
 retired), ``snapshot_rows`` (a table snapshot's row file half written) and
 ``snapshot_manifest`` (every row file of a snapshot written, its manifest not).
 Without the variable, as in every real run, :func:`reached` returns at once.
 
 Example::
 
-    CTR_LIGHTNING_KILL_AT=ssd_clean:3 ctr-lightning fit --config run.yaml   # dies in a compaction
+    CTR_LIGHTNING_KILL_AT=ssd_clean:3 ctr-lightning fit --config run.yaml   # dies in an SSD cleaning
 """
 
 from __future__ import annotations

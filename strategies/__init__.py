@@ -6,10 +6,10 @@ Importing this package registers ``"kstep_adam"`` with Lightning's strategy regi
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from ctr_lightning.merge_schedule import MergeSchedule
+from ctr_lightning.node_layout import NodeLayout
 from ctr_lightning.strategies.kstep_adam import KStepAdamStrategy
 from ctr_lightning.strategies.kstep_monitor import KStepMonitor
-from ctr_lightning.strategies.merge_schedule import MergeSchedule
-from ctr_lightning.strategies.node_layout import NodeLayout
 from ctr_lightning.strategies.overlapped_merge import OverlappedMerge
 
 KStepAdamStrategy.register_strategies(StrategyRegistry)

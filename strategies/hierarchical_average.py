@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ctr_lightning.strategies.node_layout import NodeLayout
+from ctr_lightning.node_layout import NodeLayout
 
 
 @dataclass
@@ -17,7 +17,6 @@ class CommBytes:
 
     intra_node: int = 0
     inter_node: int = 0
-    per_step: list[tuple[int, int]] = field(default_factory=list)
 
 
 def buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int) -> Iterator[list[torch.Tensor]]:

@@ -22,13 +22,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ctr_lightning.merge_schedule import MergeSchedule
+from ctr_lightning.node_layout import NodeLayout
 from ctr_lightning.strategies.adam_moments import ParamMoments, adopt, agree_moments
 from ctr_lightning.strategies.checkpoint_merge import CheckpointMerge
 from ctr_lightning.strategies.hierarchical_average import HierarchicalAverage
 from ctr_lightning.strategies.kstep_monitor import KStepMonitor
-from ctr_lightning.strategies.merge_schedule import MergeSchedule
 from ctr_lightning.strategies.merged_tensors import MergedTensors
-from ctr_lightning.strategies.node_layout import NodeLayout
 from ctr_lightning.strategies.overlapped_merge import OverlappedMerge
 
 Mode = Literal["all", "node"]
@@ -65,6 +65,9 @@ class KStepAdamStrategy(DDPStrategy):
     not (see :class:`ParamMoments`). ``find_unused_parameters`` is accepted and changes
     nothing; the arguments that configure DDP's model wrapper (``ddp_comm_hook``,
     ``model_averaging_period``, ``static_graph``...) are refused: there is no wrapper.
+    Lightning's own periodic averaging (``DDPStrategy(model_averaging_period=k)``, post-local
+    SGD) is not built on because it averages the parameters alone, leaving each rank's Adam
+    moments apart, and on CPU Lightning never installs its hook.
 
     Parameters are averaged exactly, in float32. Adam's moments travel (and are summed)
     as ``moment_dtype``, bfloat16 by default, which cuts a merge from three model-sized
@@ -174,8 +177,7 @@ class KStepAdamStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register("kstep_adam", cls, description="k-step model merging for Adam (KStepAdamStrategy)",
-                                   override=True)
+        strategy_registry.register("kstep_adam", cls, description="k-step model merging for Adam (KStepAdamStrategy)")
 
     # -- set-up ----------------------------------------------------------------------------
 

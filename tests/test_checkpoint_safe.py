@@ -6,6 +6,7 @@ import importlib
 import os
 import subprocess
 import sys
+import zipfile
 
 import lightning.pytorch as pl
 import pytest
@@ -72,6 +73,30 @@ def test_exported_configs_load_with_weights_only_in_a_fresh_process(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(l for l in result.stdout.splitlines() if l.startswith("RESULT "))
     assert line == f"RESULT {configs!r} {list(configs.values())!r}"
+
+
+def test_checkpoints_naming_a_moved_class_by_its_old_path_still_load(tmp_path, monkeypatch):
+    from ctr_lightning.node_layout import NodeLayout
+    from ctr_lightning.synthetic_criteo_spec import SyntheticCriteoSpec
+
+    old = {NodeLayout: "ctr_lightning.strategies.node_layout",
+           SyntheticCriteoSpec: "ctr_lightning.datamodules.synthetic_criteo"}
+    for cls, module in old.items():
+        monkeypatch.setattr(cls, "__module__", module)  # as checkpoints written before the move name it
+    configs = [NodeLayout(4, 3, 2), SyntheticCriteoSpec(seed=3)]
+    path = tmp_path / "old.ckpt"
+    torch.save({"configs": configs}, path)
+    monkeypatch.undo()
+    with zipfile.ZipFile(path) as archive:
+        pickled = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    assert all(module.encode() in pickled for module in old.values())
+    script = ("import sys, torch, ctr_lightning\n"
+              "print('RESULT', repr(torch.load(sys.argv[1], weights_only=True)['configs']))")
+    result = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"RESULT {configs!r}" in result.stdout.splitlines()
+    assert torch.load(path, weights_only=False)["configs"] == configs  # the old modules still import them
 
 
 def test_only_frozen_dataclasses_are_allowed():

@@ -53,7 +53,8 @@ class WorkingSetPrefetch(Callback):
         self._collections = tiered_collections(pl_module, "WorkingSetPrefetch")
         # Wrapped where Lightning asks for the train dataloader: the fit loop makes its
         # iterator (and fetches the first batch) before any epoch hook runs, so a loader
-        # wrapped in on_train_epoch_start would miss the first epoch.
+        # wrapped in on_train_epoch_start would miss the first epoch. No public hook hands a
+        # callback the train dataloader before that, hence the fit loop's private source.
         source = trainer.fit_loop._data_source
         trainer.fit_loop._data_source = _PrefetchedSource(source.instance, source.name, self._wrap)
 

@@ -1,6 +1,5 @@
 """Sparse embedding collections and their fused row-wise optimizers."""
 
-from ctr_lightning.embedding.fused import FusedEmbeddingBagCollection
 from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig, plan_storage
 from ctr_lightning.embedding.tiered import GatheringSsdRowsError, TieredEmbeddingBagCollection
 from ctr_lightning.embedding.working_set_prefetcher import WorkingSetPrefetcher
@@ -15,7 +14,6 @@ from ctr_lightning.embedding.optimizers import (
 
 __all__ = [
     "AutoStorage",
-    "FusedEmbeddingBagCollection",
     "GatheringSsdRowsError",
     "RowWiseAdagrad",
     "SparseAdagrad",

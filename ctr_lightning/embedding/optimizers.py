@@ -18,7 +18,7 @@ class SparseSGD:
 
     Example::
 
-        FusedEmbeddingBagCollection(tables, optimizer=SparseSGD(lr=0.1))
+        TieredEmbeddingBagCollection(tables, optimizer=SparseSGD(lr=0.1))
     """
 
     lr: float = 0.01

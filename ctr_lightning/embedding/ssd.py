@@ -15,12 +15,13 @@ from ctr_lightning.embedding.record_io import move_records
 from ctr_lightning.embedding.ssd_log import NO_SSD_COUNTERS, Relocated, claim_directory, ssd_error
 
 class RecordFile:
-    """A file of fixed-size float32 records, read and written in compiled pread/pwrite loops.
+    """A file of fixed-size float32 records, read and written in compiled pread/pwrite loops;
+    :class:`DirectSsdStore` decides where a (table, id) lives in it.
 
     Writes are plain ``pwrite`` calls (not a memory map), so a full disk is an ENOSPC
-    error right there; the tier costs page cache, not process memory. Subclasses decide
-    where a (table, id) lives. (No posix_fallocate: on ext4, writing into reserved
-    extents measured 4x slower here.)
+    error right there; the tier costs page cache, not process memory. (No posix_fallocate:
+    on ext4 a write into reserved extents also converts them to written ones, which made
+    writes slower, not faster.)
     """
 
     def __init__(self, directory: str | os.PathLike, name: str, width: int, table_names: list[str]) -> None:
@@ -45,7 +46,7 @@ class RecordFile:
                                    f"{self.directory}: {e.strerror}") from e
         self.bytes_written = 0
         self.bytes_read = 0
-        # Held while the layout changes (writes, compaction) and while a prefetch thread
+        # Held while the records change (writes, marks, clears) and while a prefetch thread
         # locates rows; reading located records needs no lock (see :meth:`read_located`).
         self.lock = threading.Lock()
 

@@ -30,9 +30,12 @@ KEY = np.dtype([("table", "<i4"), ("id", "<i8")])
 LINK_REFUSED = (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP)
 
 
-_READ_THREADS = 4  # reads in flight on one read of many records (4-8 measured best here)
-# Records a thread, at least, for a read a step waits on: parallel from 512 records. From 4096
-# (2048 a thread), a step reading 3.1k rows read them one at a time (bench_ssd_reads.py).
+# Reads in flight on one read of many records: an NVMe drive serves random reads faster with
+# a few queued than one at a time, and more threads stop paying (benchmarks/bench_ssd_reads.py).
+_READ_THREADS = 4
+# Records a thread, at least, for a read a step waits on (parallel from 512 records): low
+# enough that a step's few thousand rows are read in parallel, not one at a time
+# (benchmarks/bench_ssd_reads.py, docs/benchmarks.md).
 PARALLEL_READ_MIN = 256
 # The same for reads in a background thread (read-ahead, cleaning): they overlap the step's
 # compute, and more threads there take cores from it, for rows the page cache often holds.
@@ -123,7 +126,7 @@ class SsdLog:
     hold more than ``1 + max_garbage`` times the live records (beyond the segment being
     filled), the segment with the least live share is cleaned: its live records are
     appended anew and the file deleted, at most twice the records just written per call,
-    so no step waits on a whole compaction, and the files stay within about
+    so no step waits on a whole cleaning, and the files stay within about
     ``1 + max_garbage`` times the live rows. Moved rows are returned (:class:`Relocated`),
     so memory tiers that hold a copy keep its location current.
 

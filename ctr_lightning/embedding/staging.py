@@ -31,7 +31,7 @@ class StagedRows:
     The prefetch thread only calls :meth:`put` (a deque append, safe across threads),
     one chunk per upcoming batch, in batch order. Everything else runs on the training
     thread: :meth:`take` serves rows whose SSD copy is unchanged since they were read (a
-    write-back or compaction in between makes them stale, and they are dropped), and
+    write-back or the SSD log's cleaning in between makes them stale, and they are dropped), and
     :meth:`release` forgets the chunks of batches that have run.
 
     Chunks live in one buffer in arrival order, indexed by (table, id); a later chunk's

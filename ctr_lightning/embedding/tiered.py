@@ -8,7 +8,7 @@ import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from ctr_lightning.embedding.loss_scaling import unscale_in_backward, warn_if_lo
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 from ctr_lightning.embedding.sharding_plan import SHARDING_KINDS, TableSharding, plan_sharding
 from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig
+from ctr_lightning.embedding.table_placer import PlacedTables, TablePlacer
 from ctr_lightning.embedding.table_checks import check_tables, torchrec_input
 from ctr_lightning.embedding.table_setup import TableSetup, available_memory_bytes, check_kernel_device
 from ctr_lightning.embedding.table_snapshot import (
@@ -33,10 +34,7 @@ from ctr_lightning.embedding.table_snapshot import (
     snapshot_name,
 )
 from ctr_lightning.fault_points import reached
-from ctr_lightning.strategies.merge_schedule import MergeSchedule
-
-if TYPE_CHECKING:
-    from ctr_lightning.topology.auto_placement import Placement
+from ctr_lightning.merge_schedule import MergeSchedule
 
 DEFAULT_SYNC_EVERY = 16
 # Per lineage of storage-auto collections copied before their tiers were planned: the SSD
@@ -66,8 +64,8 @@ class TieredEmbeddingBagCollection(nn.Module):
     Args:
         tables: the tables, as torchrec configs (SUM or MEAN pooling).
         storage: one :class:`StorageConfig` for all tables, or one per table name; or ``"auto"``
-            (an :class:`AutoStorage`): budgets planned from the machine when the tables are built.
-            Default: everything in the device tier.
+            (an :class:`AutoStorage`): budgets planned from the machine by a ``placer``
+            (:meth:`plan_placement`). Default: everything in the device tier.
         optimizer: :class:`SparseAdam` (default), ``SparseAdagrad``, ``RowWiseAdagrad``, ``SparseSGD``.
         id_space: ``"hashed"`` (any non-negative id) or ``"bounded"`` (``0 <= id <
             num_embeddings``), for all tables or per table name.
@@ -97,6 +95,12 @@ class TieredEmbeddingBagCollection(nn.Module):
             travels under ``sparse_sync="k_step"``: ``"bfloat16"`` (the default, as the dense
             k-step merge does; a third less on the wire at Adam) or ``"float32"`` (exact).
             Weights and their deltas always travel in float32.
+        placer: under ``storage="auto"``, the :class:`TablePlacer` that plans the tiers
+            (``ctr_lightning.topology.place_tables``): given here, the first use plans with a
+            guess of the access (Zipf) and a batch of 4096, unless :meth:`plan_placement` came
+            first. Without one the tiers cannot be built until :meth:`plan_placement` gets one;
+            under Lightning the :class:`~ctr_lightning.callbacks.AutoPlacement` callback does
+            that at the start of fit (a CTRModule adds it by itself).
 
     Example::
 
@@ -108,6 +112,11 @@ class TieredEmbeddingBagCollection(nn.Module):
         kt = ebc(kjt)             # KeyedTensor, as torchrec's EmbeddingBagCollection
         ebc.rows("t0", ids)       # current weights, without side effects
         # Under torch.distributed (world size > 1) the same code shards the tables over ranks.
+
+        # storage="auto" without Lightning: plan with the data's batch size before the first use.
+        from ctr_lightning.topology import place_tables
+        ebc = TieredEmbeddingBagCollection(tables, storage="auto")
+        ebc.plan_placement(batch_size=4096, placer=place_tables)
     """
 
     def __init__(
@@ -125,6 +134,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         sparse_sync: str = "step",
         sync_every: int | None = None,
         sync_state_dtype: str = "bfloat16",
+        placer: TablePlacer | None = None,
     ) -> None:
         super().__init__()
         self._feature_names = check_tables(tables, type(self).__name__)
@@ -135,8 +145,12 @@ class TieredEmbeddingBagCollection(nn.Module):
         # storage auto: the tiers are planned when the collection is built, on the rank that
         # holds them; until then it is set up with every row in memory.
         self._auto_storage = storage if isinstance(storage, AutoStorage) else None
+        if placer is not None and self._auto_storage is None:
+            raise ValueError(f"{type(self).__name__}: placer is for storage 'auto' (it plans the tiers); the storage "
+                             f"given is set by hand")
+        self._placer = placer
         self._placement_inputs: tuple[int, Mapping[str, Any] | None] = (4096, None)  # batch size, access
-        self.placement: Placement | None = None
+        self.placement: PlacedTables | None = None
         self._setup = TableSetup.build(tables, None if self._auto_storage else storage, optimizer, id_space,
                                        is_weighted, device, seed, kernel, module_name=type(self).__name__)
         if isinstance(sharding, str) and sharding not in (*SHARDING_KINDS, "auto"):
@@ -243,13 +257,18 @@ class TieredEmbeddingBagCollection(nn.Module):
         """The :class:`AutoStorage` the tiers are planned with, or None (set by hand)."""
         return self._auto_storage
 
-    def plan_placement(self, batch_size: int = 4096, access: Mapping[str, Any] | None = None) -> Placement | None:
-        """Under ``storage="auto"``, plan this rank's tiers now (collective across ranks),
-        with the data's ``batch_size`` per rank and measured ``access`` profiles
-        (:func:`ctr_lightning.topology.measure_access`); None otherwise. Called by
-        DLRMModule at the start of fit; else the first use plans with a Zipf guess."""
+    def plan_placement(self, batch_size: int = 4096, access: Mapping[str, Any] | None = None,
+                       placer: TablePlacer | None = None) -> PlacedTables | None:
+        """Under ``storage="auto"``, plan this rank's tiers now (collective across ranks) with
+        ``placer`` (else the one given to the constructor), the data's ``batch_size`` per rank
+        and measured ``access`` profiles (``ctr_lightning.topology.measure_access``); returns
+        the placer's answer, which :attr:`placement` keeps. None without storage auto; once
+        planned, the plan made then. The :class:`~ctr_lightning.callbacks.AutoPlacement`
+        callback calls it at the start of fit."""
         if self._auto_storage is None or self._engine is not None:
             return self.placement
+        if placer is not None:
+            self._placer = placer
         self._placement_inputs = (batch_size, access)
         self._built()
         return self.placement
@@ -260,12 +279,19 @@ class TieredEmbeddingBagCollection(nn.Module):
         world = process_group.size() if process_group is not None else 1
         if self._auto_storage is None:
             return plan_sharding(self._tables, world, self._sharding)
-        from ctr_lightning.topology.auto_placement import place_tables
-
+        if self._placer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} of tables {[t.name for t in self._tables]}: storage 'auto' has no placer to "
+                f"plan its tiers with. Pass one: TieredEmbeddingBagCollection(..., storage='auto', "
+                f"placer=ctr_lightning.topology.place_tables), or call plan_placement(batch_size, "
+                f"placer=ctr_lightning.topology.place_tables) before the first use; under Lightning add "
+                f"ctr_lightning.callbacks.AutoPlacement() to the Trainer's callbacks (a CTRModule adds it by itself)")
         batch_size, access = self._placement_inputs
-        self.placement = place_tables(self._tables, self._setup.optimizer, self._sharding, self._auto_storage,
-                                      self._setup.device, process_group, batch_size, access, self._sparse_sync,
-                                      self._merge_schedule.k if self._sparse_sync == "k_step" else 1)
+        self.placement = self._placer(self._tables, optimizer=self._setup.optimizer, sharding=self._sharding,
+                                      auto=self._auto_storage, device=self._setup.device,
+                                      process_group=process_group, batch_size=batch_size, access=access,
+                                      sparse_sync=self._sparse_sync,
+                                      k=self._merge_schedule.k if self._sparse_sync == "k_step" else 1)
         self._setup = TableSetup.build(self._tables, self.placement.storage, self._setup.optimizer,
                                        dict(self._setup.id_space), self._setup.is_weighted, self._setup.device,
                                        self._setup.seed, self._setup.kernel, module_name=self._setup.module_name)
@@ -280,7 +306,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                     f"planned) or the collection it copies has its SSD tier: both would use and corrupt the same "
                     f"files. Copy collections whose rows are in memory, or move rows with save_tables / load_tables "
                     f"into a collection with another SSD directory")
-        return {t.name: t.sharding for t in self.placement.plan.tables}
+        return dict(self.placement.sharding_plan)
 
     @property
     def device(self) -> torch.device:

@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import lightning.pytorch as pl
-from lightning.pytorch.utilities import rank_zero_info
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +13,7 @@ from torchmetrics.classification import BinaryAUROC
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from ctr_lightning.batch import Batch
+from ctr_lightning.callbacks.auto_placement import auto_placement_by_default
 from ctr_lightning.callbacks.table_snapshots import table_snapshots_by_default
 from ctr_lightning.datamodules.criteo_schema import NUM_DENSE, SPARSE_NAMES
 from ctr_lightning.embedding import AutoStorage, StorageConfig, TieredEmbeddingBagCollection
@@ -49,9 +49,10 @@ class CTRModule(pl.LightningModule):
         pooling: how a multi-hot feature's rows pool into one vector: ``"sum"`` or ``"mean"``.
         storage: tier capacities and SSD directory of the tables; default all in the device tier.
             ``"auto"`` (or an :class:`AutoStorage`): planned from the machine at the start of
-            fit (``ctr_lightning.topology``): each rank's tier budgets, SSD directory and CPUs
-            (the process and its DataLoader workers are pinned to them), the plan logged to
-            TensorBoard as text (``placement_plan``).
+            fit by an :class:`~ctr_lightning.callbacks.AutoPlacement` callback, which the model
+            adds to the trainer (:meth:`configure_callbacks`): each rank's tier budgets, SSD
+            directory and CPUs (the process and its DataLoader workers are pinned to them), the
+            plan logged to TensorBoard as text (``placement_plan``).
         seed: initial table weights.
         sharding: how the tables split over ranks in a distributed run (``"row_wise"``,
             ``"table_wise"``, ``"data_parallel"``, ``"auto"``); see :class:`TieredEmbeddingBagCollection`.
@@ -159,35 +160,6 @@ class CTRModule(pl.LightningModule):
         # Under precision="16-mixed" (CUDA) Lightning scales the loss with a GradScaler; the
         # tables update inside backward, so they unscale (and skip overflowed steps) themselves.
         self.embeddings.set_grad_scaler(getattr(self.trainer.precision_plugin, "scaler", None))
-        placement = self._place_tables()
-        if placement is None:
-            return
-        cpus = placement.bind_cpus()
-        text = placement.plan.to_text()
-        rank_zero_info(f"storage auto: rank {self.global_rank} on CPUs {list(cpus)}; SSD "
-                       f"{placement.rank.ssd_dir}\n{text}")
-        experiment = getattr(self.logger, "experiment", None)
-        if self.global_rank == 0 and hasattr(experiment, "add_text"):
-            # Indented four spaces: TensorBoard renders text as Markdown, and the tables are aligned.
-            experiment.add_text("placement_plan", "\n".join("    " + line for line in text.splitlines()))
-
-    def _place_tables(self) -> Any:
-        """Plan the tables' tiers under ``storage: auto``, with the data's batch size and, when
-        asked, id counts of its first batches."""
-        auto = self.embeddings.auto_storage
-        if auto is None:
-            return None
-        datamodule = getattr(self.trainer, "datamodule", None)
-        batch_size = (getattr(datamodule, "batch_size", None)
-                      or (getattr(datamodule, "hparams", None) or {}).get("batch_size") or 4096)
-        access = None
-        if auto.profile_batches and datamodule is not None:
-            from ctr_lightning.topology import measure_access
-
-            tables = self.embeddings.embedding_bag_configs()
-            access = measure_access(datamodule.train_dataloader(), {t.name: list(t.feature_names) for t in tables},
-                                    {t.name: t.num_embeddings for t in tables}, auto.profile_batches)
-        return self.embeddings.plan_placement(int(batch_size), access)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint[MODEL_CLASS_KEY] = f"{type(self).__module__}.{type(self).__qualname__}"
@@ -244,8 +216,11 @@ class CTRModule(pl.LightningModule):
         and the trainer checkpoints without one: a checkpoint then streams the rows to a
         snapshot instead of gathering tables larger than memory into the ``.ckpt``
         (:func:`~ctr_lightning.callbacks.table_snapshots_by_default`). A TableSnapshots given
-        to the trainer is kept as it is; tables held in memory keep their rows in the ``.ckpt``."""
-        return table_snapshots_by_default(self)
+        to the trainer is kept as it is; tables held in memory keep their rows in the ``.ckpt``.
+        And under ``storage: auto`` an :class:`~ctr_lightning.callbacks.AutoPlacement`, which
+        plans the tables' tiers at the start of fit (:func:`~ctr_lightning.callbacks.auto_placement_by_default`),
+        unless the trainer has one."""
+        return table_snapshots_by_default(self) + auto_placement_by_default(self)
 
 
 def _quality_metrics() -> nn.ModuleDict:

@@ -13,20 +13,27 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from ctr_lightning.embedding.optimizers import SparseOptimizer
+from ctr_lightning.embedding.sharding_plan import TableSharding
 from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig
 from ctr_lightning.topology.access_profile import TableAccess
 from ctr_lightning.topology.discovery import discover
-from ctr_lightning.topology.plan import Plan, PlanError, RankPlacement
+from ctr_lightning.topology.placement_plan import Plan, PlanError, RankPlacement
 from ctr_lightning.topology.planner import ModelShape, PlanOptions, plan
 
 
 @dataclass(frozen=True)
 class Placement:
-    """This rank's share of a plan: the whole plan, and where this rank sits in it."""
+    """This rank's share of a plan: the whole plan, and where this rank sits in it (a
+    :class:`~ctr_lightning.embedding.table_placer.PlacedTables`)."""
 
     plan: Plan
     rank: RankPlacement
     storage: dict[str, StorageConfig]
+
+    @property
+    def sharding_plan(self) -> dict[str, TableSharding]:
+        """Per table, how it is split over the ranks (what the collection shards by)."""
+        return {t.name: t.sharding for t in self.plan.tables}
 
     def bind_cpus(self) -> tuple[int, ...]:
         """Pin this process, every thread it has started (thread pools, gloo) and the
@@ -84,7 +91,9 @@ def place_tables(tables: Sequence[EmbeddingBagConfig], optimizer: SparseOptimize
     ranks on one machine share it, and all take rank 0's sharding (budgets stay each
     rank's own, from what is free where it runs). A plan that fails on any rank fails on
     all of them, with that rank's message. ``sparse_sync`` and ``k`` price the tables'
-    traffic as the collection syncs them.
+    traffic as the collection syncs them. It is the
+    :class:`~ctr_lightning.embedding.table_placer.TablePlacer` of ``storage="auto"``: the
+    collection calls it when its tiers are built.
 
     Example::
 

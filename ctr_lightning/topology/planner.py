@@ -19,9 +19,9 @@ from ctr_lightning.embedding.sparse_update import state_width
 from ctr_lightning.topology.access_profile import TableAccess
 from ctr_lightning.topology.cost_model import HardwareRates, StepEstimate, TableLoad, estimate_step
 from ctr_lightning.topology.machine import Drive, FileSystem, Machine
-from ctr_lightning.topology.plan import Plan, PlanError, RankPlacement, TablePlacement, cpu_runs
+from ctr_lightning.topology.placement_plan import Plan, PlanError, RankPlacement, TablePlacement, cpu_runs
 
-SSD_OVERHEAD = 1.5  # the SSD log's files stay under 1.5x the live rows (issue 17)
+SSD_OVERHEAD = 1.5  # the SSD log's files stay under 1.5x the live rows
 SSD_TYPICAL = 1.3  # and hold about 1.3x once cleaning runs
 
 
@@ -70,8 +70,8 @@ class PlanOptions:
     ``ssd_dirs``: directories the SSD tiers may use (several mount points spread the
     ranks over drives); empty: a ``ctr-lightning-ssd`` folder on every writable drive.
     Budgets not given are taken from what is free: ``dram_fraction`` of a NUMA node's
-    free memory less ``reserve_bytes`` per rank (the process outside its tiers: about
-    2 GiB measured in the out-of-core run), ``hbm_fraction`` of a GPU's free memory.
+    free memory less ``reserve_bytes`` per rank (the process outside its tiers: Python,
+    torch, the data loader), ``hbm_fraction`` of a GPU's free memory.
     ``sharding`` fixes it per table (or for all); ``"auto"`` lets the cost model pick.
     ``constraints`` takes torchrec's ``ParameterConstraints`` per table: its
     ``sharding_types`` limit the choice, its ``pooling_factors`` set the ids per example.

@@ -168,7 +168,10 @@ def test_a_collection_with_an_ssd_tier_refuses_to_be_copied_naming_it_and_the_wa
 
 def test_copies_made_before_storage_auto_planned_never_share_an_ssd_directory(tmp_path):
     # Planned at the first use: a copy made before then is planned like the original.
-    original = TieredEmbeddingBagCollection(tables(), storage=AutoStorage(ssd_dirs=(str(tmp_path),), reserve_bytes=0))
+    from ctr_lightning.topology import place_tables
+
+    original = TieredEmbeddingBagCollection(tables(), storage=AutoStorage(ssd_dirs=(str(tmp_path),), reserve_bytes=0),
+                                            placer=place_tables)
     copied = copy.deepcopy(original)
     assert copied.ssd_directories == [str(tmp_path)]  # the first to be planned keeps its SSD tier
     sgd_step(copied, batch(0))

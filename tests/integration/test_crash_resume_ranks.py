@@ -1,7 +1,7 @@
 """A training run of 2 gloo ranks, with rows on SSD and table snapshots every few steps, is
 killed with SIGKILL at 5 points chosen at random each test run (one per kill point of
 :mod:`ctr_lightning.fault_points`: mid-step, in an eviction's SSD write, in an SSD
-compaction, while a snapshot's row files are written, between the row files and the
+cleaning, while a snapshot's row files are written, between the row files and the
 manifest). After each kill ``ctr-lightning fit --ckpt_path last`` resumes on both ranks;
 the run that finally completes ends bit for bit where an uninterrupted one does."""
 
@@ -37,7 +37,7 @@ def _config(tmp_path: Path, work: Path) -> Path:
                                   {"class_path": "ctr_lightning.callbacks.TableSnapshots"}]},
         "model": {"embedding_dim": 8, "num_embeddings": 5000, "dense_arch_layer_sizes": [16],
                   "over_arch_layer_sizes": [16, 1],
-                  # A tiny device tier and tiny SSD segments: evictions and compactions every step.
+                  # A tiny device tier and tiny SSD segments: evictions and cleanings every step.
                   "storage": {"device_rows": 40, "host_rows": 0, "ssd_dir": str(work / "ssd"),
                               "ssd_segment_bytes": 4096}},
         "data": {"class_path": "ctr_lightning.datamodules.SyntheticCriteoDataModule",

@@ -1,4 +1,4 @@
-"""KStepAdamStrategy with parameters that get no gradient on some ranks (issue 36, item 1).
+"""KStepAdamStrategy with parameters that get no gradient on some ranks.
 
 Real 2-rank gloo runs of a model whose batches pick one of two towers: the strategy must
 average every parameter in one fixed order, as Lightning's DDP with

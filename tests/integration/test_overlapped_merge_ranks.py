@@ -7,10 +7,10 @@ import torch
 RANK_SCRIPT = r"""
 import json, sys
 import torch, torch.distributed as dist
+from ctr_lightning.node_layout import NodeLayout
 from ctr_lightning.strategies import OverlappedMerge
 from ctr_lightning.strategies.hierarchical_average import HierarchicalAverage
 from ctr_lightning.strategies.merged_tensors import MergedTensors
-from ctr_lightning.strategies.node_layout import NodeLayout
 
 rank, port = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -1,7 +1,7 @@
 
 import pytest
 
-from ctr_lightning.strategies import KStepAdamStrategy, NodeLayout
+from ctr_lightning.strategies import KStepAdamStrategy
 
 
 def test_arguments_are_checked():
@@ -15,10 +15,6 @@ def test_arguments_are_checked():
         KStepAdamStrategy(local_world_size="islands")
     with pytest.raises(ValueError, match="moment_dtype must be one of .*float16 would flush"):
         KStepAdamStrategy(moment_dtype="float16")
-    with pytest.raises(ValueError, match="does not divide the world size 6"):
-        NodeLayout.of(world_size=6, rank=0, local_world_size=4)
-    layout = NodeLayout.of(world_size=4, rank=3, local_world_size=2)
-    assert (layout.node, layout.local_rank, layout.num_nodes) == (1, 1, 2)
 
 
 def test_registered_under_a_short_name():

@@ -26,7 +26,7 @@ from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
 from ctr_lightning.embedding.table_setup import TableSetup
 from ctr_lightning.embedding.table_snapshot import SnapshotManifest, SnapshotRef
-from ctr_lightning.strategies.merge_schedule import MergeSchedule
+from ctr_lightning.merge_schedule import MergeSchedule
 
 
 class ReplicatedTables(TableEngine):

@@ -1,6 +1,6 @@
 import pytest
 
-from ctr_lightning.strategies import MergeSchedule
+from ctr_lightning.merge_schedule import MergeSchedule
 
 
 def run(schedule, steps):

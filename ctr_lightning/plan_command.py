@@ -18,7 +18,7 @@ from ctr_lightning.embedding.optimizers import SPARSE_OPTIMIZERS
 from ctr_lightning.topology.access_profile import TableAccess, measure_access
 from ctr_lightning.topology.discovery import discover
 from ctr_lightning.topology.machine import Machine
-from ctr_lightning.topology.plan import Plan, PlanError
+from ctr_lightning.topology.placement_plan import Plan, PlanError
 from ctr_lightning.topology.planner import ModelShape, PlanOptions, plan
 
 

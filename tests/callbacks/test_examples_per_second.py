@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ctr_lightning.callbacks import ExamplesPerSecond
-from ctr_lightning.callbacks import throughput
+from ctr_lightning.callbacks import examples_per_second
 
 
 class Tiny(pl.LightningModule):
@@ -29,7 +29,7 @@ class Tiny(pl.LightningModule):
 def test_rate_is_examples_over_the_window_after_the_first_step(monkeypatch):
     # A clock that advances 0.5 s per reading: each step takes exactly half a second.
     ticks = iter(range(1000))
-    monkeypatch.setattr(throughput, "time", types.SimpleNamespace(perf_counter=lambda: 0.5 * next(ticks)))
+    monkeypatch.setattr(examples_per_second, "time", types.SimpleNamespace(perf_counter=lambda: 0.5 * next(ticks)))
     # 7 batches of 10 examples, then one of 3.
     loader = DataLoader(TensorDataset(torch.zeros(73, 2)), batch_size=10)
     model = Tiny()
