@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-import ctr_lightning.embedding.ssd_log as ssd_log
+import ctr_lightning.embedding.ssd_log_segments as ssd_log_segments
 from ctr_lightning.embedding import StorageConfig
 from ctr_lightning.topology import ModelShape, PlanOptions, TableAccess, discover, plan
 from ctr_lightning.topology.auto_placement import set_threads
@@ -39,13 +39,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_planner  # noqa: E402  (the same model, tables and candidates)
 
 SERIAL_BELOW = 2048  # the anchor: records a reader thread, at least
-DEFAULT = ssd_log.PARALLEL_READ_MIN
+DEFAULT = ssd_log_segments.PARALLEL_READ_MIN
 
 
 def timed_steps(ebc: object, step: Callable, batches: list, directory: str,
                 per_thread: int) -> tuple[float, float, float]:
     """Median over ``batches`` of (rows read, ms waiting on SSD reads, step ms)."""
-    ssd_log.PARALLEL_READ_MIN = per_thread
+    ssd_log_segments.PARALLEL_READ_MIN = per_thread
     seconds, reads, stall = np.median(bench_planner.time_steps(ebc, step, batches, directory), axis=0)
     return float(reads), float(stall * 1e3), float(seconds * 1e3)
 
@@ -73,7 +73,7 @@ def layout(name: str, shape: ModelShape, rows: int | list[int], storage_in: Call
             lines.append((label, old, new, ebc.storage_stats()["ssd_bytes"]))
             print(f"  {label}: {old[0]:,.0f} rows read a step; step {old[2]:.1f} -> {new[2]:.1f} ms", flush=True)
     finally:
-        ssd_log.PARALLEL_READ_MIN = DEFAULT
+        ssd_log_segments.PARALLEL_READ_MIN = DEFAULT
         ebc.stop_prefetch()
         shutil.rmtree(directory, ignore_errors=True)
     return lines
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace, work: str) -> None:
         return storage_in
 
     print(f"SSD reads: serial below {2 * SERIAL_BELOW} rows (anchor) against parallel from {2 * DEFAULT} "
-          f"({ssd_log._READ_THREADS} reader threads), {args.steps} x 2 timed steps each", flush=True)
+          f"({ssd_log_segments.READ_THREADS} reader threads), {args.steps} x 2 timed steps each", flush=True)
     lines = []
     lines += layout("calibration files", uniform, args.rows,
                     lambda d: StorageConfig(device_rows=args.rows // 10, host_rows=0, ssd_dir=d),

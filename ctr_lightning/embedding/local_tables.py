@@ -124,9 +124,14 @@ class LocalTables(TableEngine):
         for group in self.groups:
             group.stop_prefetch()
 
-    def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+    def group_of(self, table: str) -> tuple[TableGroup, int]:
+        """The group holding ``table`` (a name of :attr:`tables`) and the table's number in it."""
         g, local = self.table_of_name[table]
-        return self.groups[g].rows(local, ids.numpy().astype(np.int64, copy=False))
+        return self.groups[g], local
+
+    def rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        group, local = self.group_of(table)
+        return group.rows(local, ids.numpy().astype(np.int64, copy=False))
 
     def tier_stats(self) -> dict[str, int]:
         return sum_counters(group.stats for group in self.groups)
@@ -148,6 +153,12 @@ class LocalTables(TableEngine):
 
     def save_snapshot(self, directory: str | os.PathLike, parent: SnapshotRef | None = None) -> SnapshotManifest:
         return save_tables(self, directory, parent=parent)
+
+    def mark_saved(self) -> None:
+        """The stored rows are those of the snapshot just saved or loaded: incremental saves
+        start from here."""
+        for group in self.groups:
+            group.mark_saved()
 
     def load_snapshot(self, directory: str | os.PathLike,
                       keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> SnapshotManifest:

@@ -29,7 +29,9 @@ import numpy as np
 import torch
 
 from ctr_lightning.embedding.row_files import RowFileError, file_sha256
-from ctr_lightning.embedding.ssd_log import _HEADER, KEY, LINK_REFUSED, SealedSegment, record_keys
+from ctr_lightning.embedding.ssd_log_segments import HEADER_WORDS, KEY, record_keys
+from ctr_lightning.embedding.ssd_log_snapshots import LINK_REFUSED
+from ctr_lightning.embedding.ssd_tier import SealedSegment
 from ctr_lightning.fault_points import reached
 
 FORMAT = "ctr-lightning-segments-1"
@@ -215,7 +217,7 @@ def segment_rows(segment_set: SegmentSet, segment: SharedSegment, chunk_records:
             if not (np.array_equal(ids, mine["id"]) and np.array_equal(tables, mine["table"])):
                 raise RowFileError(f"{path}: records do not match {segment.keys} near record {first} "
                                    f"(tables {segment_set.tables})")
-            yield tables, ids, torch.from_numpy(np.ascontiguousarray(records[:, _HEADER:]))
+            yield tables, ids, torch.from_numpy(np.ascontiguousarray(records[:, HEADER_WORDS:]))
 
 
 def segment_set_rows(path: str | os.PathLike, width: int | None = None,

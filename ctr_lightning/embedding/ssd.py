@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
 from ctr_lightning.embedding.record_io import move_records
-from ctr_lightning.embedding.ssd_log import NO_SSD_COUNTERS, Relocated, claim_directory, ssd_error
+from ctr_lightning.embedding.ssd_tier import (NO_SSD_COUNTERS, Entries, Relocated, SealedSegment, claim_directory,
+                                              ssd_error)
+
 
 class RecordFile:
     """A file of fixed-size float32 records, read and written in compiled pread/pwrite loops;
@@ -97,7 +100,8 @@ class RecordFile:
 
 
 class DirectSsdStore(RecordFile):
-    """Rows of tables with bounded ids, each at a fixed record: table base + id.
+    """Rows of tables with bounded ids, each at a fixed record: table base + id; an
+    :class:`~ctr_lightning.embedding.ssd_tier.SsdTier` without segments to share.
 
     No index: one 32-bit version per possible row (0: never stored), in a calloc'ed
     array whose pages cost memory only where rows were stored, so DRAM use stays flat
@@ -109,6 +113,8 @@ class DirectSsdStore(RecordFile):
         store = DirectSsdStore("/nvme/run1", "dim64", width=192, table_names=["t0"],
                                num_embeddings=[10**9])
     """
+
+    shares_segments = False  # one sparse file written in place: a snapshot copies its rows
 
     def __init__(self, directory: str | os.PathLike, name: str, width: int, table_names: list[str],
                  num_embeddings: list[int]) -> None:
@@ -145,6 +151,11 @@ class DirectSsdStore(RecordFile):
             records = self.base[tables] + ids
             found = self.version[records] > 0
             return found, self._read(self.fd, records[found]), records[found]
+
+    def may_hold(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Exactly the keys stored here (a version is kept for every possible row)."""
+        with self.lock:
+            return self.version[self.base[tables] + ids] > 0
 
     def locate(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, dict[int, int]]:
         """As :meth:`SsdLog.locate`; the token is the row's version."""
@@ -201,6 +212,27 @@ class DirectSsdStore(RecordFile):
             part = records[start : start + chunk_records]
             tables = np.searchsorted(self.base, part, side="right") - 1
             yield tables, part - self.base[tables], self._read(self.fd, part)
+
+    def active_entries(self, mark: int | None = None, chunk_records: int = 1 << 16) -> Entries:
+        """Every row (since ``mark``): none lies in a sealed segment."""
+        return self.entries(chunk_records) if mark is None else self.entries_since(mark, chunk_records)
+
+    def sealed(self, mark: int | None = None) -> Iterator[SealedSegment]:
+        """None: rows are written in place, no file is ever sealed."""
+        return iter(())
+
+    def segment_entries(self, number: int, chunk_records: int = 1 << 16) -> Entries:
+        """A KeyError: there are no segments (:meth:`sealed` yields none)."""
+        raise KeyError(f"SSD tier of tables {self.table_names} has no segment {number}: its rows are stored "
+                       f"in place in {self.path}")
+
+    def can_adopt(self, record_bytes: int, records: int) -> bool:
+        """False: rows of another store are loaded as rows (they belong at fixed records here)."""
+        return False
+
+    def adopt(self, path: Path, keys_path: Path, records: int, crc: int, keys: np.ndarray, take: np.ndarray) -> bool:
+        """False, nothing changed: see :meth:`can_adopt`."""
+        return False
 
     def clear(self) -> None:
         with self.lock:

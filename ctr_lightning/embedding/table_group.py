@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,6 +15,10 @@ from ctr_lightning.embedding.row_cache import Rows
 from ctr_lightning.embedding.table_setup import TableSetup
 from ctr_lightning.embedding.tier_stack import TierStack
 from ctr_lightning.embedding.working_set import WorkingSet
+
+if TYPE_CHECKING:
+    from ctr_lightning.embedding.segment_sets import SegmentSet, SegmentSetWriter
+    from ctr_lightning.embedding.ssd_tier import SsdTier
 
 
 class TableGroup:
@@ -124,7 +129,8 @@ class TableGroup:
         first, inverse, slots = self._unique_slots(tables, ids)
         if reuse_dedup:
             self.working_set.remember_dedup(tables, ids, first, inverse)
-        return self.working_set.register(self.tiers, tables[first], ids[first], slots, batch)
+        return self.working_set.register(self.tiers.device_tier, self.tiers.host_tier, tables[first], ids[first],
+                                         slots, batch)
 
     def stage(self, tables: np.ndarray, ids: np.ndarray, batch: int) -> None:
         """Read the SSD copies of these rows into DRAM for ``batch`` (prefetch thread)."""
@@ -175,6 +181,50 @@ class TableGroup:
         """Replace every stored row by ``rows`` of (``tables``, ``ids``); ``steps`` per table."""
         self.tiers.load(tables, ids, rows)
         self.steps = np.asarray(steps, dtype=np.int64).copy()
+
+    # -- table snapshots (see table_snapshot) ----------------------------------------------------
+
+    @property
+    def ssd(self) -> SsdTier | None:
+        """The SSD tier, or None: a snapshot on its file system hard-links its sealed segments."""
+        return self.tiers.ssd
+
+    @property
+    def seed(self) -> int:
+        """The initial rows' seed: with it a snapshot's reader recomputes the rows never stored."""
+        return int(self.tiers.seed)
+
+    def is_bounded(self, table: int) -> bool:
+        """Whether ``table``'s ids are bounded (``0 <= id < num_embeddings``)."""
+        return bool(self.tiers.bounded[table])
+
+    def export_chunks(self, chunk_rows: int = 1 << 16, changed_only: bool = False,
+                      share: SegmentSetWriter | None = None) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
+        """``(tables, ids, rows)`` of every stored row once, a chunk at a time; with
+        ``changed_only``, those changed since :meth:`mark_saved`; ``share`` takes sealed SSD
+        segments by hard link instead (see :meth:`TierStack.export_chunks`)."""
+        return self.tiers.export_chunks(chunk_rows, changed_only=changed_only, share=share)
+
+    def mark_saved(self) -> None:
+        """The stored rows are in a snapshot now: ``export_chunks(changed_only=True)`` starts here."""
+        self.tiers.mark_saved()
+
+    def begin_load(self) -> None:
+        """Forget every stored row, before :meth:`load_chunk` and :meth:`adopt_segments` calls."""
+        self.tiers.begin_load()
+
+    def load_chunk(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor, older: bool = False) -> None:
+        """Store a snapshot's rows; with ``older``, keys loaded already are skipped (they came
+        from a newer snapshot of the chain)."""
+        self.tiers.load_chunk(tables, ids, rows, older=older)
+
+    def adopt_segments(self, segment_set: SegmentSet,
+                       keep: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+                       older: bool = False) -> list[int]:
+        """Take a snapshot's shared segments into the SSD tier by hard link, the records
+        ``keep(tables, ids)`` selects; returns the segments not taken, whose rows the caller
+        loads instead."""
+        return self.tiers.adopt_segments(segment_set, keep, older)
 
 
 class _RowUpdate:

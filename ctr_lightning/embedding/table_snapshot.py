@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,8 +38,10 @@ from ctr_lightning.embedding.segment_sets import (
     segment_set_rows,
     verify_segment_set,
 )
-from ctr_lightning.embedding.ssd_log import SsdLog
 from ctr_lightning.fault_points import reached
+
+if TYPE_CHECKING:
+    from ctr_lightning.embedding.local_tables import LocalTables
 
 MANIFEST = "manifest.json"
 # Checkpoints name snapshots by the rows' version and a random suffix (two runs, or a
@@ -271,7 +273,7 @@ def abandoned(directory: str | os.PathLike) -> bool:
         return False
 
 
-def write_shard(engine, directory: str | os.PathLike, rank: int = 0, chunk_rows: int = 1 << 16,
+def write_shard(engine: LocalTables, directory: str | os.PathLike, rank: int = 0, chunk_rows: int = 1 << 16,
                 steps: dict[str, int] | None = None, changed_only: bool = False,
                 prefix: str | None = None) -> ShardFiles:
     """Stream every row a :class:`LocalTables` engine holds into ``directory`` (one file per
@@ -284,12 +286,12 @@ def write_shard(engine, directory: str | os.PathLike, rank: int = 0, chunk_rows:
     link = _LINK_SEGMENTS.get()
     for g, group in enumerate(engine.groups):
         name = f"{prefix}-group{g}.rows"
-        ssd = group.tiers.ssd
+        ssd = group.ssd
         share = (SegmentSetWriter(Path(directory) / f"{prefix}-group{g}.segments", group.names, group.width,
                                   ssd.record_bytes)
-                 if link and isinstance(ssd, SsdLog) and can_share(ssd.directory, directory) else None)
+                 if link and ssd is not None and ssd.shares_segments and can_share(ssd.directory, directory) else None)
         with RowFileWriter(Path(directory) / name, group.names, group.width) as out:
-            for t, i, rows in group.tiers.export_chunks(chunk_rows, changed_only=changed_only, share=share):
+            for t, i, rows in group.export_chunks(chunk_rows, changed_only=changed_only, share=share):
                 out.write(t, i, rows)
         files.append(SnapshotFile(name, out.size, out.sha256, group.width,
                                   dict(zip(group.names, out.rows_per_table))))
@@ -303,7 +305,7 @@ def write_shard(engine, directory: str | os.PathLike, rank: int = 0, chunk_rows:
             config = group.tables[local]
             # With the seed, a reader can recompute the rows never stored (initial_rows).
             tables[table] = {"dim": config.embedding_dim, "width": group.width,
-                             "num_embeddings": config.num_embeddings, "seed": int(group.tiers.seed)}
+                             "num_embeddings": config.num_embeddings, "seed": group.seed}
     return ShardFiles(files, step_counts, tables)
 
 
@@ -322,7 +324,7 @@ def join_shards(parts: list[ShardFiles], sharding: dict[str, dict[str, Any]] | N
                             sharding=dict(sharding or {}), parent=parent)
 
 
-def save_tables(engine, directory: str | os.PathLike, chunk_rows: int = 1 << 16,
+def save_tables(engine: LocalTables, directory: str | os.PathLike, chunk_rows: int = 1 << 16,
                 parent: SnapshotRef | None = None) -> SnapshotManifest:
     """Write every row of a :class:`LocalTables` engine to ``directory`` (one file per table
     group), then the manifest. With ``parent`` (the engine's last snapshot, saved or
@@ -332,15 +334,8 @@ def save_tables(engine, directory: str | os.PathLike, chunk_rows: int = 1 << 16,
         manifest = join_shards([write_shard(engine, directory, 0, chunk_rows, changed_only=parent is not None)],
                                parent=parent)
         write_manifest(directory, manifest)
-    mark_saved(engine)
+    engine.mark_saved()
     return manifest
-
-
-def mark_saved(engine) -> None:
-    """The engine's rows are those of the snapshot just saved or loaded: incremental saves
-    start from here."""
-    for group in engine.groups:
-        group.tiers.mark_saved()
 
 
 def verify(directory: str | os.PathLike, manifest: SnapshotManifest) -> None:
@@ -371,7 +366,7 @@ def read_snapshot_file(directory: str | os.PathLike, f: SnapshotFile,
     return read_row_file(Path(directory) / f.name, f.width)
 
 
-def load_tables(engine, directory: str | os.PathLike,
+def load_tables(engine: LocalTables, directory: str | os.PathLike,
                 keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> SnapshotManifest:
     """Replace every row of a :class:`LocalTables` engine by the snapshot's, streaming;
     ``keep(table, ids)`` selects the rows this engine holds (a shard), default all."""
@@ -381,43 +376,45 @@ def load_tables(engine, directory: str | os.PathLike,
         raise KeyError(f"table snapshot {directory} has no rows for tables {missing}; it has "
                        f"{sorted(manifest.tables)}")
     for t in engine.tables:
-        g, local = engine.table_of_name[t.name]
+        group, local = engine.group_of(t.name)
         saved = manifest.tables[t.name]
-        if saved["dim"] != t.embedding_dim or saved["width"] != engine.groups[g].width:
+        if saved["dim"] != t.embedding_dim or saved["width"] != group.width:
             raise ValueError(f"table {t.name!r}: snapshot rows have dim {saved['dim']} and width {saved['width']} "
                              f"(weights + optimizer state), this collection stores dim {t.embedding_dim}, width "
-                             f"{engine.groups[g].width}")
-        if engine.groups[g].tiers.bounded[local] and saved["num_embeddings"] > t.num_embeddings:
+                             f"{group.width}")
+        if group.is_bounded(local) and saved["num_embeddings"] > t.num_embeddings:
             raise ValueError(f"table {t.name!r}: snapshot of {saved['num_embeddings']} rows (num_embeddings) does "
                              f"not fit a bounded table of {t.num_embeddings}")
     chain = manifest.chain(directory)
     for path, member in chain:
         verify(path, member)
     for group in engine.groups:
-        group.tiers.begin_load()
+        group.begin_load()
+    held = {t.name for t in engine.tables}
     # Newest first: a row an incremental snapshot holds replaces its ancestors' copies.
     for depth, (path, member) in enumerate(chain):
         for f in member.files:
             for names, tables, ids, rows in _rows_to_load(engine, path, f, keep, older=depth > 0):
                 for code, name in enumerate(names):
-                    if name not in engine.table_of_name:
+                    if name not in held:
                         continue  # a table this collection does not have
                     mine = tables == code
                     table_ids, table_rows = ids[mine], rows[torch.from_numpy(np.flatnonzero(mine))]
                     if keep is not None:
                         kept = keep(name, torch.from_numpy(table_ids)).numpy()
                         table_ids, table_rows = table_ids[kept], table_rows[torch.from_numpy(np.flatnonzero(kept))]
-                    g, local = engine.table_of_name[name]
+                    group, local = engine.group_of(name)
                     if len(table_ids):
-                        engine.groups[g].tiers.load_chunk(np.full(len(table_ids), local, dtype=np.int64), table_ids,
-                                                          table_rows, older=depth > 0)
+                        group.load_chunk(np.full(len(table_ids), local, dtype=np.int64), table_ids, table_rows,
+                                         older=depth > 0)
     for group in engine.groups:
         group.steps = np.array([manifest.steps[name] for name in group.names], dtype=np.int64)
-    mark_saved(engine)
+    engine.mark_saved()
     return manifest
 
 
-def _rows_to_load(engine, directory: Path, f: SnapshotFile, keep: Callable[[str, torch.Tensor], torch.Tensor] | None,
+def _rows_to_load(engine: LocalTables, directory: Path, f: SnapshotFile,
+                  keep: Callable[[str, torch.Tensor], torch.Tensor] | None,
                   older: bool) -> Iterator[tuple[list[str], np.ndarray, np.ndarray, torch.Tensor]]:
     """The rows of ``f`` to load as rows: a segment set's segments the SSD log of the
     group they came from takes by hard link are left out (taken here)."""
@@ -436,7 +433,7 @@ def _rows_to_load(engine, directory: Path, f: SnapshotFile, keep: Callable[[str,
                     mask[mine] = keep(name, torch.from_numpy(ids[mine])).numpy()
             return mask
 
-        left = group.tiers.adopt_segments(segment_set, kept if keep is not None else None, older)
+        left = group.adopt_segments(segment_set, kept if keep is not None else None, older)
     for n in left:
         for tables, ids, rows in segment_rows(segment_set, segment_set.segments[n]):
             yield segment_set.tables, tables, ids, rows

@@ -17,6 +17,8 @@ from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from ctr_lightning.embedding.collection_copies import claim_planned_ssd, refuse_copy
+from ctr_lightning.embedding.collection_snapshots import CollectionSnapshots
 from ctr_lightning.embedding.engine import TableEngine
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.loss_scaling import unscale_in_backward, warn_if_loss_may_be_scaled
@@ -25,21 +27,13 @@ from ctr_lightning.embedding.sharding_plan import SHARDING_KINDS, TableSharding,
 from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig
 from ctr_lightning.embedding.table_placer import PlacedTables, TablePlacer
 from ctr_lightning.embedding.table_checks import check_tables, torchrec_input
-from ctr_lightning.embedding.table_setup import TableSetup, available_memory_bytes, check_kernel_device
-from ctr_lightning.embedding.table_snapshot import (
-    MANIFEST,
-    SnapshotManifest,
-    SnapshotRef,
-    segments_linked,
-    snapshot_name,
-)
+from ctr_lightning.embedding.table_setup import TableSetup, check_kernel_device
+from ctr_lightning.embedding.table_snapshot import SnapshotManifest
+from ctr_lightning.embedding.torchrec_state import rows_from_torchrec, torchrec_weights
 from ctr_lightning.fault_points import reached
 from ctr_lightning.merge_schedule import MergeSchedule
 
 DEFAULT_SYNC_EVERY = 16
-# Per lineage of storage-auto collections copied before their tiers were planned: the SSD
-# directories planned for them in this process, and for which collection (its id).
-_PLANNED_SSD: dict[str, dict[str, int]] = {}
 
 
 class GatheringSsdRowsError(RuntimeError):
@@ -174,20 +168,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         # the collection shards itself over the ranks (Lightning starts them after the
         # model is made).
         self._engine: TableEngine | None = None
-        # With a snapshot root, checkpoints hold a reference to a table snapshot, not rows.
-        self._snapshot_root: Path | None = None
-        self._link_segments = True  # snapshots hard-link sealed SSD segments (else copy their rows)
-        # Whole rows in the state dict asked for (checkpoint_to_snapshots(None)): an SSD tier
-        # is then neither switched to snapshots by default nor refused.
-        self._whole_rows_asked = False
-        self._version = 0  # counts changes of the rows: one snapshot serves one state
-        self._snapshot: tuple[int, dict[str, Any]] | None = None  # (version, its reference)
-        self.snapshots_written: list[Path] = []  # by this process: TableSnapshots may delete them
-        # The snapshot the rows were last saved to or loaded from, how many incremental
-        # snapshots its chain holds, and after how many a checkpoint saves every row again.
-        self._base: SnapshotRef | None = None
-        self._chain_deltas = 0
-        self._full_every = 8
+        self._snapshots = CollectionSnapshots()
         # Where a checkpoint's snapshot is looked for by name when its recorded path is
         # gone (the run directory moved): asked when a checkpoint is loaded, since only then
         # is it known which checkpoint that is. TableSnapshots sets it.
@@ -198,7 +179,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         # ("tables", per-table state) or ("snapshot", path, reference): data, so a copy of the module carries it.
         self._pending_load: tuple | None = None
         # Set when this collection or one it was copied from was copied before storage auto
-        # planned its tiers: the copies' common key in _PLANNED_SSD (see __getstate__).
+        # planned its tiers: the copies' common key (see __getstate__, collection_copies).
         self._copy_lineage: str | None = None
 
     def follow_merge_schedule(self, k: int, warmup_steps: int = 0) -> None:
@@ -243,9 +224,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             return
         try:
             if pending[0] == "snapshot":
-                _, path, reference = pending
-                self.load_tables(path)
-                self._snapshot = (self._version, reference)
+                self._snapshots.load(self._engine, pending[1], pending[2])
             else:
                 self._engine.load(pending[1])
         except BaseException:
@@ -296,16 +275,8 @@ class TieredEmbeddingBagCollection(nn.Module):
                                        dict(self._setup.id_space), self._setup.is_weighted, self._setup.device,
                                        self._setup.seed, self._setup.kernel, module_name=self._setup.module_name)
         if self._copy_lineage is not None:
-            planned = _PLANNED_SSD.setdefault(self._copy_lineage, {})
-            ssd = {s.ssd_dir for s in self._setup.storage.values() if s.ssd_dir is not None}
-            shared = sorted(d for d in ssd if planned.setdefault(d, id(self)) != id(self))
-            if shared:
-                raise TypeError(
-                    f"{type(self).__name__} of tables {[t.name for t in self._tables]}: storage 'auto' planned an SSD "
-                    f"tier in {shared}, where a copy of this collection (deepcopy, pickle, made before the tiers were "
-                    f"planned) or the collection it copies has its SSD tier: both would use and corrupt the same "
-                    f"files. Copy collections whose rows are in memory, or move rows with save_tables / load_tables "
-                    f"into a collection with another SSD directory")
+            claim_planned_ssd(self._copy_lineage, self._ssd_dirs(), self, type(self).__name__,
+                              [t.name for t in self._tables])
         return dict(self.placement.sharding_plan)
 
     @property
@@ -318,6 +289,10 @@ class TieredEmbeddingBagCollection(nn.Module):
         """The SSD tier's directories (each rank of a sharded collection uses ``<dir>/rank<r>``)."""
         if self._auto_storage is not None:
             self._built()  # under storage auto, where the SSD tier goes is planned then
+        return self._ssd_dirs()
+
+    def _ssd_dirs(self) -> list[str]:
+        """The SSD directories set up now (under storage auto, none before the plan)."""
         return sorted({s.ssd_dir for s in self._setup.storage.values() if s.ssd_dir is not None})
 
     @property
@@ -342,8 +317,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         features = torchrec_input(features, self._feature_names, self._tables, self._is_weighted, type(self).__name__)
         engine = self._built()  # first: a restore waiting there counts a version of its own, before this step's
         train = self.training and torch.is_grad_enabled()
-        self._version += train
         if train:
+            self._snapshots.rows_changed()
             # Every step: the engine may have been built after set_grad_scaler.
             engine.skip_nonfinite_updates(self._grad_scaler is not None)
         pooled = engine.forward(features, train)
@@ -463,18 +438,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         allows (little is written, but one damaged segment damages every snapshot linking
         it), or ``False``: copy their rows. When sharded this is collective: each rank
         writes the rows it owns to its own files, and ``directory`` must be one every rank sees."""
-        engine = self._built()
-        parent = self._base if incremental and self._chain_deltas + 1 < self._full_every else None
-        if parent is not None and (not (Path(parent.path) / MANIFEST).exists()
-                                   or Path(parent.path).resolve().parent != Path(directory).resolve().parent):
-            parent = None  # removed by hand, or another run's: nothing to build on here
-        # Every rank must write the same kind of snapshot: rank 0's view decides (collective).
-        parent = engine.from_rank0(parent)
-        with segments_linked(link_segments):
-            manifest = engine.save_snapshot(directory, parent)
-        self._base = SnapshotRef(str(Path(directory).resolve()), manifest.sha256())
-        self._chain_deltas = self._chain_deltas + 1 if parent is not None else 0
-        return manifest
+        return self._snapshots.save(self._built(), directory, incremental, link_segments)
 
     def load_tables(self, directory: str | os.PathLike) -> SnapshotManifest:
         """Replace every row by a snapshot's (checked against its manifest's checksums
@@ -483,15 +447,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         saving run's. Each rank keeps the rows it owns; not collective."""
         if self._engine is None:
             self._pending_load = None  # these rows replace any a checkpoint left waiting
-        engine = self._built()
-        # Whatever happens below, the rows are no longer those of an earlier snapshot.
-        self._version += 1
-        self._snapshot = None
-        self._base = None
-        manifest = engine.load_snapshot(directory)
-        self._base = SnapshotRef(str(Path(directory).resolve()), manifest.sha256())
-        self._chain_deltas = len(manifest.chain(directory)) - 1
-        return manifest
+        return self._snapshots.load(self._built(), directory)
 
     def checkpoint_to_snapshots(self, root: str | os.PathLike | None, full_every: int = 8,
                                 link_segments: bool = True) -> None:
@@ -503,12 +459,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         asked for: a collection with an SSD tier is then no longer switched to snapshots by
         default (:attr:`gathers_ssd_rows`). The :class:`~ctr_lightning.callbacks.TableSnapshots`
         callback sets this up."""
-        if full_every < 1:
-            raise ValueError(f"full_every must be >= 1, got {full_every}")
-        self._snapshot_root = Path(root) if root is not None else None
-        self._whole_rows_asked = root is None
-        self._full_every = full_every
-        self._link_segments = link_segments
+        self._snapshots.checkpoint_to(root, full_every, link_segments)
 
     @property
     def gathers_ssd_rows(self) -> bool:
@@ -517,38 +468,28 @@ class TieredEmbeddingBagCollection(nn.Module):
         before its plan), checkpoints do not go to table snapshots, and whole rows were not
         asked for. :class:`~ctr_lightning.models.CTRModule` then adds a
         :class:`~ctr_lightning.callbacks.TableSnapshots` to a trainer that checkpoints."""
-        if self._snapshot_root is not None or self._whole_rows_asked:
+        if self._snapshots.root is not None or self._snapshots.whole_rows_asked:
             return False
         if self._auto_storage is not None and self._engine is None:
             return True  # not planned yet (planning here would size the tiers for the wrong device)
-        return any(s.ssd_dir is not None for s in self._setup.storage.values())
-
-    def _find_snapshot(self, recorded: str) -> Path:
-        """The snapshot a checkpoint names: by its name in :attr:`snapshot_search` (beside the
-        checkpoint being loaded: a copied run directory reads its own copy, not the original
-        it was copied from), else at its recorded path (whose reading says what is missing)."""
-        path = Path(recorded)
-        for directory in self.snapshot_search():
-            if (directory / path.name / MANIFEST).exists():
-                return directory / path.name
-        return path
+        return bool(self._ssd_dirs())
 
     def current_snapshot(self) -> Path | None:
         """The snapshot the state dict refers to now, if one was written for these rows."""
-        return Path(self._snapshot[1]["snapshot"]) if self._snapshot is not None else None
+        return self._snapshots.current()
+
+    @property
+    def snapshots_written(self) -> list[Path]:
+        """The snapshots this process wrote for checkpoints: :class:`TableSnapshots` may delete them."""
+        return self._snapshots.written
+
+    @snapshots_written.setter
+    def snapshots_written(self, snapshots: list[Path]) -> None:
+        self._snapshots.written = snapshots
 
     def get_extra_state(self) -> dict[str, Any]:
-        if self._snapshot_root is not None:
-            # Lightning asks twice per checkpoint (the module is reachable under two names).
-            if self._snapshot is None or self._snapshot[0] != self._version:
-                # Collective when sharded: every rank writes into the directory rank 0 names.
-                name = self._built().from_rank0(snapshot_name(self._version))
-                directory = self._snapshot_root / name
-                self.snapshots_written.append(directory.resolve())
-                manifest = self.save_tables(directory, incremental=True, link_segments=self._link_segments)
-                self._snapshot = (self._version, {"snapshot": str(directory.resolve()),
-                                                  "manifest_sha256": manifest.sha256()})
-            return {**self._snapshot[1], **self._init_ranges()}
+        if self._snapshots.root is not None:
+            return {**self._snapshots.reference(self._built), **self._init_ranges()}
         engine = self._built()  # first: under storage auto, only the plan says whether there is an SSD tier
         if self.gathers_ssd_rows:
             raise GatheringSsdRowsError(
@@ -577,19 +518,15 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         if "snapshot" in state:
-            if (self._snapshot is not None and self._snapshot[0] == self._version
-                    and self._snapshot[1]["manifest_sha256"] == state["manifest_sha256"]):
+            found = self._snapshots.to_load(state, self.snapshot_search)
+            if found is None:
                 return  # loaded already (the second name of this module)
-            path = self._find_snapshot(state["snapshot"])
-            if SnapshotManifest.read(path).sha256() != state["manifest_sha256"]:
-                raise ValueError(f"table snapshot {path}: its manifest is not the one the checkpoint refers to")
-            reference = {"snapshot": str(path.resolve()), "manifest_sha256": state["manifest_sha256"]}
             if self._defer_load():
-                self._pending_load = ("snapshot", path, reference)
-                self._snapshot = (self._version, reference)  # the module's second name returns above
+                self._pending_load = ("snapshot", *found)
+                self._snapshots.refer_to(found[1])  # the module's second name returns above
                 return
-            self.load_tables(path)
-            self._snapshot = (self._version, reference)
+            self.load_tables(found[0])
+            self._snapshots.refer_to(found[1])
             return
         if "tables" not in state:
             raise KeyError("checkpoint holds no 'tables' state for the TieredEmbeddingBagCollection")
@@ -597,9 +534,7 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def _load_rows(self, tables: Mapping[str, Mapping[str, Any]]) -> None:
         """Replace every stored row by ``tables`` (:meth:`TableEngine.export`'s form)."""
-        self._version += 1
-        self._snapshot = None
-        self._base = None  # rows from a state dict: the next snapshot holds them all
+        self._snapshots.rows_replaced()  # rows from a state dict: the next snapshot holds them all
         if self._defer_load():
             self._pending_load = ("tables", tables)
             return
@@ -629,49 +564,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             torchrec_ebc = EmbeddingBagCollection(tables=ebc.embedding_bag_configs())
             torchrec_ebc.load_state_dict(ebc.torchrec_state_dict())   # same pooled output
         """
-        engine = self._built()
-        if not isinstance(engine, LocalTables):
-            raise RuntimeError(
-                f"{type(self).__name__}: torchrec_state_dict() of a collection sharded over ranks is not supported "
-                f"(each rank holds only its shard); save_tables(directory) here, then load_tables(directory) into a "
-                f"{type(self).__name__} of the same tables in one process and call torchrec_state_dict() there")
-        need = sum(t.num_embeddings * t.embedding_dim * 4 for t in self._tables)
-        available = available_memory_bytes()
-        if need > available:
-            raise MemoryError(
-                f"{type(self).__name__}: torchrec's weights of tables {[t.name for t in self._tables]} "
-                f"(num_embeddings x embedding_dim float32) take {need / 2**30:.2f} GiB, more than the "
-                f"{available / 2**30:.2f} GiB of memory available; save_tables(directory) streams the rows instead")
-        outside = self._stored_outside(engine)
-        if outside:
-            raise ValueError(
-                f"{type(self).__name__}: tables store rows of hashed ids >= num_embeddings, which torchrec's weight "
-                f"(ids 0 .. num_embeddings - 1) has no place for: {outside} (table: such rows); rows() reads "
-                f"any id, save_tables(directory) saves every row")
-        out = {}
-        for t in self._tables:
-            weight = torch.empty(t.num_embeddings, t.embedding_dim)
-            for start in range(0, t.num_embeddings, chunk_rows):
-                stop = min(start + chunk_rows, t.num_embeddings)
-                weight[start:stop] = engine.rows(t.name, torch.arange(start, stop))
-            out[f"{prefix}embedding_bags.{t.name}.weight"] = weight
-        return out
-
-    def _stored_outside(self, engine: LocalTables) -> dict[str, int]:
-        """Per table of hashed ids, how many stored rows have ids ``>= num_embeddings``
-        (tables with none left out): a pass over every stored row, a chunk at a time."""
-        counts: dict[str, int] = {}
-        for group in engine.groups:
-            hashed = [self._setup.id_space[name] == "hashed" for name in group.names]
-            if not any(hashed):
-                continue  # bounded ids never reach num_embeddings: refused when looked up
-            limits = np.array([t.num_embeddings for t in group.tables], dtype=np.int64)
-            for tables, ids, _ in group.tiers.export_chunks():
-                beyond = np.bincount(tables[ids >= limits[tables]], minlength=len(group.names))
-                for name, n in zip(group.names, beyond):
-                    if n:
-                        counts[name] = counts.get(name, 0) + int(n)
-        return counts
+        return torchrec_weights(self._built(), self._tables, self._setup, prefix, chunk_rows)
 
     def load_torchrec_state_dict(self, state_dict: Mapping[str, torch.Tensor], prefix: str = "",
                                  strict: bool = True) -> None:
@@ -690,33 +583,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             ebc.load_torchrec_state_dict(torchrec_ebc.state_dict())
             model.load_state_dict(torchrec_model.state_dict())   # the same, inside a model
         """
-        keys = {f"{prefix}embedding_bags.{t.name}.weight": t for t in self._tables}
-        missing = sorted(k for k in keys if k not in state_dict)
-        if missing:
-            raise KeyError(f"{type(self).__name__}: the state dict lacks torchrec's weights {missing}; every table's "
-                           f"is needed (a load replaces every row)")
-        unknown = sorted(k for k in state_dict if k.startswith(f"{prefix}embedding_bags.") and k not in keys)
-        if strict and unknown:
-            raise KeyError(f"{type(self).__name__}: the state dict has weights {unknown} of no table of this "
-                           f"collection (tables {[t.name for t in self._tables]})")
-        need = 0
-        for key, t in keys.items():
-            shape = tuple(state_dict[key].shape)
-            if shape != (t.num_embeddings, t.embedding_dim):
-                raise ValueError(f"{type(self).__name__}: table {t.name!r}: {key} has shape {list(shape)}, the table "
-                                 f"is [num_embeddings, embedding_dim] = [{t.num_embeddings}, {t.embedding_dim}]")
-            need += t.num_embeddings * self._setup.row_width(t.embedding_dim) * 4
-        available = available_memory_bytes()
-        if need > available:
-            raise MemoryError(f"{type(self).__name__}: loading torchrec's weights takes {need / 2**30:.2f} GiB of rows "
-                              f"(weights and optimizer state), more than the {available / 2**30:.2f} GiB of memory "
-                              f"available")
-        tables = {}
-        for key, t in keys.items():
-            rows = torch.zeros(t.num_embeddings, self._setup.row_width(t.embedding_dim))
-            rows[:, : t.embedding_dim] = state_dict[key].detach().to("cpu", torch.float32)
-            tables[t.name] = {"ids": torch.arange(t.num_embeddings), "rows": rows, "steps": 0}
-        self._load_rows(tables)
+        self._load_rows(rows_from_torchrec(state_dict, self._tables, self._setup, prefix, strict))
 
     def _load_from_state_dict(self, state_dict: Mapping[str, Any], prefix: str, local_metadata: dict, strict: bool,
                               missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
@@ -741,21 +608,9 @@ class TieredEmbeddingBagCollection(nn.Module):
         for a collection whose rows all live in this process's memory; the copy shares nothing
         mutable with this one. Refused (TypeError, before anything is copied) for a collection
         with an SSD tier, whose copy would share its files, and for one sharded over ranks."""
-        ssd = sorted({s.ssd_dir for s in self._setup.storage.values() if s.ssd_dir is not None})
-        if ssd:
-            raise TypeError(
-                f"{type(self).__name__} of tables {[t.name for t in self._tables]} cannot be copied (deepcopy, "
-                f"pickle, torch.save of the module): it has an SSD tier in {ssd}, whose files a copy would share "
-                f"and corrupt. Save its rows with save_tables(directory) and "
-                f"load them with load_tables(directory) into a new {type(self).__name__} whose StorageConfig.ssd_dir "
-                f"is another directory; Lightning checkpoints stream them through "
-                f"ctr_lightning.callbacks.TableSnapshots. Callbacks that deep-copy the model "
-                f"(StochasticWeightAveraging, EMA) need a collection held in memory")
-        if self._process_group is not None or (self._engine is not None and not isinstance(self._engine, LocalTables)):
-            raise TypeError(
-                f"{type(self).__name__} of tables {[t.name for t in self._tables]} cannot be copied (deepcopy, "
-                f"pickle, torch.save of the module): it is sharded over ranks, and its rows live in other "
-                f"processes; save_tables(directory) / load_tables(directory) move them to another collection")
+        sharded = self._process_group is not None or (self._engine is not None
+                                                      and not isinstance(self._engine, LocalTables))
+        refuse_copy(type(self).__name__, [t.name for t in self._tables], self._ssd_dirs(), sharded)
         if self._auto_storage is not None and self._engine is None and self._copy_lineage is None:
             # Both are planned at their first use, on this machine alike: the second of them
             # planned an SSD tier where the first has one is refused (see _place).

@@ -11,27 +11,29 @@ from ctr_lightning.embedding.key_index import KeyIndex
 from ctr_lightning.embedding.staging import StagedChunk, StagedRows
 
 if TYPE_CHECKING:
+    from ctr_lightning.embedding.row_cache import RowCache
     from ctr_lightning.embedding.ssd import DirectSsdStore
     from ctr_lightning.embedding.ssd_log import SsdLog
-    from ctr_lightning.embedding.tier_stack import TierStack
 
 
 class WorkingSet:
     """Read-ahead state of one table group, driven by :class:`WorkingSetPrefetcher`.
 
-    Batches are registered in increasing order before they run. Rows already in memory
-    are marked with the last upcoming batch that needs them (eviction spares them); the
-    others are noted in :attr:`upcoming` and read from SSD into :attr:`staged` by a
-    background thread (:meth:`stage`), from where a batch's misses are served as long as
-    their SSD copy has not changed since. It also remembers the dedup of registered
-    batches, so their lookup need not do it again.
+    Batches are registered in increasing order before they run. Rows already in the
+    device tier are marked with the last upcoming batch that needs them (eviction spares
+    them); the others are noted in :attr:`upcoming`, marked when they arrive
+    (:meth:`arrived`), and read from SSD into :attr:`staged` by a background thread
+    (:meth:`stage`), from where a batch's misses are served as long as their SSD copy has
+    not changed since. It also remembers the dedup of registered batches, so their lookup
+    need not do it again. It alone writes the device tier's ``needed_until`` marks
+    (besides the tier resetting a slot it reuses).
 
     Example::
 
         working_set = WorkingSet()
-        to_read = working_set.register(tiers, tables, ids, slots, batch=7)   # training thread
-        working_set.stage(tiers.ssd, *to_read, batch=7)                       # prefetch thread
-        working_set.release(7)                                                # batch 7 has run
+        to_read = working_set.register(device_tier, host_tier, tables, ids, slots, batch=7)  # training thread
+        working_set.stage(ssd, *to_read, batch=7)                                            # prefetch thread
+        working_set.release(7)                                                               # batch 7 has run
     """
 
     def __init__(self) -> None:
@@ -45,22 +47,27 @@ class WorkingSet:
 
     # -- training thread ---------------------------------------------------------------------
 
-    def register(self, tiers: TierStack, tables: np.ndarray, ids: np.ndarray, slots: np.ndarray,
-                 batch: int) -> tuple[np.ndarray, np.ndarray]:
+    def register(self, device_tier: RowCache, host_tier: RowCache | None, tables: np.ndarray, ids: np.ndarray,
+                 slots: np.ndarray, batch: int) -> tuple[np.ndarray, np.ndarray]:
         """Note that ``batch`` needs these unique rows (``slots``: their device-tier slots,
         -1 where absent); returns those to read from SSD: in neither memory tier."""
         if self.current_batch is None:
             self.current_batch = batch
         present = slots >= 0
-        tiers.device_tier.needed_until[slots[present]] = batch
+        device_tier.needed_until[slots[present]] = batch
         # Rows not in the device tier get their batch noted, to be spared once they arrive.
         tables, ids = tables[~present], ids[~present]
         self.upcoming.insert(tables, ids, np.full(len(ids), batch, dtype=np.int64))
         self._registered[batch] = (tables, ids)
-        if tiers.host_tier is not None:
-            in_host = tiers.host_tier.lookup(tables, ids) >= 0
+        if host_tier is not None:
+            in_host = host_tier.lookup(tables, ids) >= 0
             tables, ids = tables[~in_host], ids[~in_host]
         return tables, ids
+
+    def arrived(self, device_tier: RowCache, tables: np.ndarray, ids: np.ndarray, slots: np.ndarray) -> None:
+        """These rows just came into the device tier at ``slots``: spare each until the last
+        registered batch that needs it (-1: none)."""
+        device_tier.needed_until[slots] = self.needed_until(tables, ids)
 
     def needed_until(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """The last registered batch that needs each row (-1: none)."""

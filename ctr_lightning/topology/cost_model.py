@@ -152,12 +152,7 @@ def estimate_step(rates: HardwareRates, tables: Sequence[TableLoad], dense_flops
     table_ops = sum(t.lookups * rates.lookup_op_s + t.unique_rows * rates.row_op_s for t in tables)
     h2d = sum(t.device_misses * t.row_bytes * 2 for t in tables) if host_tier else 0.0
     ssd_rows = sum(t.ssd_misses for t in tables)
-    # Rows read at random from files of F bytes in units of u bytes: the units touched,
-    # W (1 - exp(-R / W)) with W = F / u, fewer than the rows when units hold several.
-    units = ssd_rows
-    windows = sum(t.ssd_file_bytes for t in tables) / rates.ssd_read_unit
-    if windows >= 1 and ssd_rows:
-        units = min(ssd_rows, windows * -math.expm1(-ssd_rows / windows))
+    units = ssd_read_units(rates, tables)
     ssd_read = units * rates.ssd_read_unit
     # Every row read in evicts one, written to the log, which cleaning rewrites about once more.
     ssd_write = sum(t.ssd_misses * t.row_bytes for t in tables) * 1.5
@@ -166,8 +161,7 @@ def estimate_step(rates: HardwareRates, tables: Sequence[TableLoad], dense_flops
         "dense": dense_flops / rates.dense_flops,
         "tables": table_ops + device / rates.device_bw + replica_rows * rates.replica_op_s,
         "host->device": h2d / rates.host_to_device_bw,
-        "ssd": (max(units / rates.ssd_read_iops, ssd_read / rates.ssd_read_bw)
-                + ssd_write / rates.ssd_write_bw),
+        "ssd": ssd_read_seconds(rates, units) + ssd_write / rates.ssd_write_bw,
         "comm": (intra_bytes / rates.intra_node_bw + inter_bytes / rates.inter_node_bw
                  + collectives * rates.collective_latency_s + max(extra_bags, 0.0) * rates.bag_op_s
                  + routed * rates.example_op_s),
@@ -175,3 +169,19 @@ def estimate_step(rates: HardwareRates, tables: Sequence[TableLoad], dense_flops
     links = {"device": device, "host->device": h2d, "ssd read": ssd_read, "ssd write": ssd_write,
              "intra-node": intra_bytes, "inter-node": inter_bytes}
     return StepEstimate(sum(parts.values()), parts, links, ssd_rows)
+
+
+def ssd_read_units(rates: HardwareRates, tables: Sequence[TableLoad]) -> float:
+    """Random reads (of ``rates.ssd_read_unit`` bytes) that the tables' SSD misses make."""
+    rows = sum(t.ssd_misses for t in tables)
+    # Rows read at random from files of F bytes in units of u bytes: the units touched,
+    # W (1 - exp(-R / W)) with W = F / u, fewer than the rows when units hold several.
+    windows = sum(t.ssd_file_bytes for t in tables) / rates.ssd_read_unit
+    if windows >= 1 and rows:
+        return min(rows, windows * -math.expm1(-rows / windows))
+    return rows
+
+
+def ssd_read_seconds(rates: HardwareRates, units: float) -> float:
+    """The price of ``units`` random SSD reads: the drive's IOPS or its bandwidth, whichever binds."""
+    return max(units / rates.ssd_read_iops, units * rates.ssd_read_unit / rates.ssd_read_bw)

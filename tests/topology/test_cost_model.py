@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from ctr_lightning.topology import HardwareRates, Machine
-from ctr_lightning.topology.cost_model import TableLoad, estimate_step
+from ctr_lightning.topology.cost_model import TableLoad, estimate_step, ssd_read_seconds
 
 MACHINES = Path(__file__).parent / "machines"
 
@@ -25,6 +25,14 @@ def test_estimate_parts_add_up_and_reads_share_units():
     units = 512 * -math.expm1(-10_000 / 512)  # 512 units of 128 KiB, nearly all touched
     assert dense.parts["ssd"] == pytest.approx(units / 1e4, rel=1e-6)
     assert dense.link_bytes["ssd read"] == pytest.approx(units * (128 << 10))
+
+
+
+def test_an_ssd_read_costs_the_slower_of_its_iops_and_its_bytes():
+    rates = dataclasses.replace(HardwareRates.published("cpu"), ssd_read_iops=1e4, ssd_read_bw=1e9, ssd_read_unit=4096)
+    assert ssd_read_seconds(rates, 100) == pytest.approx(100 / 1e4)  # 4 KiB reads: the IOPS bind
+    large = dataclasses.replace(rates, ssd_read_unit=1 << 20)
+    assert ssd_read_seconds(large, 100) == pytest.approx(100 * (1 << 20) / 1e9)  # 1 MiB reads: the bandwidth
 
 
 def test_published_rates_follow_the_machine():

@@ -1,5 +1,4 @@
 import dataclasses
-import math
 from pathlib import Path
 
 import pytest
@@ -8,31 +7,22 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding import RowWiseAdagrad, SparseAdam, TieredEmbeddingBagCollection
-from ctr_lightning.topology import HardwareRates, Machine, ModelShape, PlanError, PlanOptions, TableAccess, plan
-from ctr_lightning.topology.planner import SSD_OVERHEAD
+from ctr_lightning.topology import Machine, ModelShape, PlanError, PlanOptions, TableAccess, plan
+from ctr_lightning.topology.step_pricing import SSD_OVERHEAD
 
 MACHINES = Path(__file__).parent / "machines"
 
 
-def _tables(sizes, dim=128):
+def table_configs(sizes, dim=128):
     return [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=n, feature_names=[f"f{i}"])
             for i, n in enumerate(sizes)]
 
 
-def _shape(sizes, dim=128, batch=2048, optimizer=RowWiseAdagrad(), k=1):
-    return ModelShape.dlrm(_tables(sizes, dim), optimizer, batch, 13, (512, 256), (1024, 1024, 512, 256, 1), k=k)
+def dlrm_shape(sizes, dim=128, batch=2048, optimizer=RowWiseAdagrad(), k=1):
+    return ModelShape.dlrm(table_configs(sizes, dim), optimizer, batch, 13, (512, 256), (1024, 1024, 512, 256, 1), k=k)
 
 
-def _shared_prefix(a, b):
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _check_capacities(p, machine):
+def check_capacities(p, machine):
     """Every rank's tables within its budgets, and the budgets within the machine's free memory."""
     for r in p.ranks:
         held = [t for t in p.tables if t.sharding.kind in ("row_wise", "data_parallel") or t.sharding.owner == r.rank]
@@ -50,65 +40,15 @@ def _check_capacities(p, machine):
         assert t.device_rows + t.host_rows + t.ssd_rows == per_rank
 
 
-def test_dgx_a100_ranks_sit_next_to_their_gpu_nic_and_drive():
-    machine = Machine.load(MACHINES / "dgx_a100.json")
-    shape = _shape([40_000_000, 3_000_000, 10_000, 500] * 6 + [40_000_000, 3_000_000])
-    p = plan(machine, shape)
-    assert p.world_size == 8 and p.accelerator == "gpu"
-    assert [r.gpu for r in p.ranks] == list(range(8))
-    cpus = [c for r in p.ranks for c in r.cpus]
-    assert len(cpus) == len(set(cpus)) == 128  # disjoint: the four GPU nodes, 32 CPUs each
-    for r in p.ranks:
-        gpu = machine.gpus[r.gpu]
-        assert r.numa_node == gpu.numa_node
-        node_cpus = next(n.cpus for n in machine.numa_nodes if n.id == r.numa_node)
-        assert set(r.cpus) <= set(node_cpus)
-        assert any(c - 128 in r.cpus for c in r.cpus if c >= 128)  # whole cores: both threads of each
-        nic = next(n for n in machine.nics if n.name == r.nic)
-        assert nic.numa_node == gpu.numa_node and _shared_prefix(nic.pcie_path, gpu.pcie_path) >= 2  # its switch
-        drive = next(d for d, fs in machine.file_systems() if r.ssd_dir.startswith(fs.mount_point + "/"))
-        assert drive.numa_node == gpu.numa_node and _shared_prefix(drive.pcie_path, gpu.pcie_path) >= 2
-    assert len({r.nic for r in p.ranks}) == 8  # one compute NIC per GPU
-    assert len({r.ssd_dir for r in p.ranks}) == 4  # every data drive used
-    assert p.intra_groups == ((0, 1, 2, 3, 4, 5, 6, 7),)
-    _check_capacities(p, machine)
-    assert "estimated step" in p.to_text() and "mlx5_0" in p.to_text()
-
-
-def test_two_dgx_nodes_with_kstep_send_less_across_nodes():
-    machine = Machine.load(MACHINES / "dgx_a100.json")
-    sizes = [40_000_000, 3_000_000, 10_000, 500] * 6 + [40_000_000, 3_000_000]
-    sync = plan(machine, _shape(sizes), options=PlanOptions(num_nodes=2, sharding="row_wise"))
-    kstep = plan(machine, _shape(sizes, k=16), options=PlanOptions(num_nodes=2, sharding="row_wise"))
-    assert sync.world_size == 16 and [r.node for r in sync.ranks] == [0] * 8 + [1] * 8
-    assert sync.step_estimate.link_bytes["inter-node"] > 0
-    assert kstep.step_estimate.link_bytes["inter-node"] < sync.step_estimate.link_bytes["inter-node"]
-    _check_capacities(sync, machine)
-
-
-def test_two_socket_cpu_server_one_rank_per_socket():
-    machine = Machine.load(MACHINES / "cpu_2socket.json")
-    p = plan(machine, _shape([40_000_000, 3_000_000, 10_000, 500] * 6), options=PlanOptions(ranks_per_node=2))
-    assert [r.numa_node for r in p.ranks] == [0, 1] and all(r.gpu is None for r in p.ranks)
-    for r, node in zip(p.ranks, machine.numa_nodes):
-        assert r.cpus == node.cpus
-        assert next(n for n in machine.nics if n.name == r.nic).numa_node == node.id
-        drive = max(((d, fs) for d, fs in machine.file_systems() if r.ssd_dir.startswith(fs.mount_point.rstrip("/") + "/")),
-                    key=lambda x: len(x[1].mount_point))[0]
-        assert drive.numa_node == node.id
-        assert r.host_bytes == 0  # on a CPU the compute tier is DRAM already
-    _check_capacities(p, machine)
-
-
 def test_vm_plan_drives_a_real_collection(tmp_path):
     """The plan's sharding and storage build a working TieredEmbeddingBagCollection."""
     machine = Machine.load(MACHINES / "vm_1socket.json")
-    shape = ModelShape.dlrm(_tables([2000, 500], dim=8), SparseAdam(), 64, 13, (16,), (16, 1))
+    shape = ModelShape.dlrm(table_configs([2000, 500], dim=8), SparseAdam(), 64, 13, (16,), (16, 1))
     p = plan(machine, shape, options=PlanOptions(device_bytes=2000 * 40, ssd_dirs=(str(tmp_path),)))
     assert p.ranks[0].cpus == (0, 1) and p.ranks[0].ssd_dir == str(tmp_path)
-    _check_capacities(p, machine)
+    check_capacities(p, machine)
     assert sum(t.ssd_rows for t in p.tables) > 0  # the budget holds 2,000 of 2,500 rows
-    ebc = TieredEmbeddingBagCollection(_tables([2000, 500], dim=8), storage=p.storage(0), sharding=p.sharding())
+    ebc = TieredEmbeddingBagCollection(table_configs([2000, 500], dim=8), storage=p.storage(0), sharding=p.sharding())
     kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.arange(400) % 2500, torch.ones(400, dtype=torch.int32))
     out = ebc(kjt)
     assert out.values().shape == (200, 16)
@@ -116,7 +56,7 @@ def test_vm_plan_drives_a_real_collection(tmp_path):
 
 def test_skew_aware_split_serves_more_lookups_from_dram():
     machine = Machine.load(MACHINES / "vm_1socket.json")
-    shape = _shape([1_000_000, 1_000_000], dim=64, batch=4096, optimizer=SparseAdam())
+    shape = dlrm_shape([1_000_000, 1_000_000], dim=64, batch=4096, optimizer=SparseAdam())
     access = {"t0": TableAccess.zipf(1_000_000, 1.2), "t1": TableAccess.zipf(1_000_000, 0.3)}
     budget = 600_000 * 768  # 30% of the rows
     options = PlanOptions(device_bytes=budget, ssd_dirs=("/",))
@@ -133,30 +73,30 @@ def test_skew_aware_split_serves_more_lookups_from_dram():
     served = [sum(t.device_coverage for t in p.tables) for p in (aware, uniform)]
     assert served[0] > served[1]
     assert aware.step_estimate.seconds < uniform.step_estimate.seconds
-    _check_capacities(aware, machine)
+    check_capacities(aware, machine)
 
 
 def test_plans_that_cannot_fit_are_refused_with_their_numbers():
     dgx = Machine.load(MACHINES / "dgx_a100.json")
     vm = Machine.load(MACHINES / "vm_1socket.json")
     with pytest.raises(PlanError, match=r"rank 0: its tables hold .* GiB.* has .* GiB for this rank"):
-        plan(vm, _shape([10**9]))
+        plan(vm, dlrm_shape([10**9]))
     with pytest.raises(PlanError, match=r"16 ranks per node but the machine has 8 GPU"):
-        plan(dgx, _shape([1000]), options=PlanOptions(ranks_per_node=16))
+        plan(dgx, dlrm_shape([1000]), options=PlanOptions(ranks_per_node=16))
     with pytest.raises(PlanError, match="no GPU"):
-        plan(vm, _shape([1000]), options=PlanOptions(accelerator="gpu"))
+        plan(vm, dlrm_shape([1000]), options=PlanOptions(accelerator="gpu"))
     read_only = dataclasses.replace(vm, drives=tuple(
         dataclasses.replace(d, file_systems=tuple(dataclasses.replace(fs, writable=False) for fs in d.file_systems))
         for d in vm.drives))
     with pytest.raises(PlanError, match=r"do not fit in the memory tiers and no writable SSD directory"):
-        plan(read_only, _shape([200_000_000]))
+        plan(read_only, dlrm_shape([200_000_000]))
     with pytest.raises(PlanError, match=r"ssd_dir '/x': file system / is not writable"):
-        plan(read_only, _shape([1000]), options=PlanOptions(ssd_dirs=("/x",)))
+        plan(read_only, dlrm_shape([1000]), options=PlanOptions(ssd_dirs=("/x",)))
 
 
 def test_a_budget_below_the_batches_in_flight_is_refused():
     vm = Machine.load(MACHINES / "vm_1socket.json")
-    shape = _shape([1_000_000, 1_000_000], dim=64, batch=4096, optimizer=SparseAdam())
+    shape = dlrm_shape([1_000_000, 1_000_000], dim=64, batch=4096, optimizer=SparseAdam())
     with pytest.raises(PlanError, match=r"smaller than the rows the batches in flight touch .* 2 batches of 4096"):
         plan(vm, shape, options=PlanOptions(device_bytes=1000 * 768, ssd_dirs=("/",)))
     for skew_aware in (True, False):  # just above: each table gets at least its batches' rows
@@ -168,7 +108,7 @@ def test_torchrec_constraints_and_topology():
     from torchrec.distributed.planner.types import ParameterConstraints
 
     dgx = Machine.load(MACHINES / "dgx_a100.json")
-    shape = _shape([40_000_000, 3_000_000, 10_000, 500])
+    shape = dlrm_shape([40_000_000, 3_000_000, 10_000, 500])
     constraints = {"t0": ParameterConstraints(sharding_types=["row_wise"], pooling_factors=[3.0, 5.0]),
                    "t2": ParameterConstraints(sharding_types=["table_wise", "data_parallel"])}
     p = plan(dgx, shape, options=PlanOptions(constraints=constraints))
@@ -184,13 +124,13 @@ def test_torchrec_constraints_and_topology():
 
 def test_small_hot_tables_get_a_replica_on_every_rank_where_that_is_cheaper():
     server = Machine.load(MACHINES / "cpu_2socket.json")
-    shape = _shape([40_000_000, 40_000_000] + [200] * 12, dim=64)
+    shape = dlrm_shape([40_000_000, 40_000_000] + [200] * 12, dim=64)
     large = {"t0": "row_wise", "t1": "row_wise"}
     small = [f"t{i}" for i in range(2, 14)]
     options = PlanOptions(ranks_per_node=2, sharding={**large, **{t: "auto" for t in small}})
     auto = plan(server, shape, options=options)
     assert {auto.sharding()[t] for t in small} == {"data_parallel"}
-    _check_capacities(auto, server)
+    check_capacities(auto, server)
     assert "data_parallel" in auto.to_text()
     # Against the small tables whole on one rank each: fewer bytes and a shorter step,
     # although no single table moved alone pays for the replicas' collectives.
@@ -202,23 +142,9 @@ def test_small_hot_tables_get_a_replica_on_every_rank_where_that_is_cheaper():
     assert "data_parallel" not in plan(server, kstep, options=options).sharding().values()
     # A replica must fit every rank: a table too large for that is never replicated.
     vm = Machine.load(MACHINES / "vm_1socket.json")
-    two = plan(vm, _shape([3_000_000, 1000], dim=64), options=PlanOptions(ranks_per_node=2))
+    two = plan(vm, dlrm_shape([3_000_000, 1000], dim=64), options=PlanOptions(ranks_per_node=2))
     assert two.sharding()["t0"] != "data_parallel"
-    _check_capacities(two, vm)
-
-
-def test_nvlink_islands_size_the_kstep_groups():
-    from ctr_lightning.topology.planner import nvlink_group_size
-
-    dgx = Machine.load(MACHINES / "dgx_a100.json")
-    assert nvlink_group_size(dgx, 8) == 8  # NVSwitch: one island, the whole node
-    pairs = dataclasses.replace(dgx, nvlink_groups=((0, 1, 2, 3), (4, 5, 6, 7)))
-    assert nvlink_group_size(pairs, 8) == 4
-    assert nvlink_group_size(dataclasses.replace(dgx, nvlink_groups=((0, 2), (1, 3))), 4) == 4  # not contiguous
-    assert nvlink_group_size(dataclasses.replace(dgx, nvlink_groups=((0,), (1,), (2,), (3,))), 4) == 4  # PCIe only
-    assert nvlink_group_size(dataclasses.replace(dgx, nvlink_groups=None), 8) == 8  # unknown
-    p = plan(pairs, _shape([1000] * 4))
-    assert p.intra_groups == ((0, 1, 2, 3), (4, 5, 6, 7))
+    check_capacities(two, vm)
 
 
 def test_gpu_plan_with_tables_in_and_beyond_hbm_builds_a_collection(tmp_path):
@@ -227,49 +153,11 @@ def test_gpu_plan_with_tables_in_and_beyond_hbm_builds_a_collection(tmp_path):
     dgx = Machine.load(MACHINES / "dgx_a100.json")
     dgx = dataclasses.replace(dgx, drives=tuple(dataclasses.replace(d, file_systems=tuple(
         dataclasses.replace(fs, writable=True) for fs in d.file_systems)) for d in dgx.drives))
-    shape = _shape([400_000, 500], dim=16)
+    shape = dlrm_shape([400_000, 500], dim=16)
     p = plan(dgx, shape, options=PlanOptions(ranks_per_node=1, device_bytes=100_000 * 68, host_bytes=150_000 * 68,
                                              ssd_dirs=(str(tmp_path),)))
     big, small = p.tables
     assert big.host_rows > 0 and big.ssd_rows > 0 and small.host_rows == 0 and small.ssd_rows == 0
     storage = p.storage(0)
     assert storage["t1"].host_rows == 1 and storage["t0"].host_rows == big.host_rows
-    TieredEmbeddingBagCollection(_tables([400_000, 500], dim=16), optimizer=RowWiseAdagrad(), storage=storage)
-
-
-def test_memory_limit_and_cpus_outside_the_process_are_respected():
-    two = Machine.load(MACHINES / "cpu_2socket.json")
-    limited = dataclasses.replace(two, memory_limit_bytes=64 << 30)
-    p = plan(limited, _shape([1000]), options=PlanOptions(ranks_per_node=2, reserve_bytes=0))
-    assert sum(r.device_bytes for r in p.ranks) <= 0.5 * (64 << 30) + 2  # half of the limit, over both nodes
-    pinned = dataclasses.replace(two, allowed_cpus=tuple(range(32, 64)))  # a container on socket 1 only
-    p = plan(pinned, _shape([1000]), options=PlanOptions(ranks_per_node=2))
-    assert p.ranks[0].cpus == tuple(range(32, 64)) and p.ranks[1].cpus == tuple(range(32, 64))
-
-
-def test_collectives_and_replica_rows_are_priced_once_per_kind_of_table():
-    # Rates where only a collective's latency, or only a replica's row gradient, costs:
-    # the estimate then counts them.
-    vm = Machine.load(MACHINES / "vm_1socket.json")
-    free = dataclasses.replace(
-        HardwareRates.published("cpu"), device_bw=math.inf, host_to_device_bw=math.inf, intra_node_bw=math.inf,
-        inter_node_bw=math.inf, dense_flops=math.inf, row_op_s=0.0, lookup_op_s=0.0, collective_latency_s=1.0)
-    shape = _shape([1000, 1000], dim=16, batch=64)
-    access = {t.name: TableAccess.zipf(t.num_embeddings, 1.0) for t in shape.tables}
-
-    def comm(sharding, model=shape, rates=free):
-        options = PlanOptions(ranks_per_node=2, sharding=sharding)
-        return plan(vm, model, access, options, rates=rates).step_estimate
-
-    # ids, lengths, pooled rows, their gradients (all-to-alls) and the dense all-reduce
-    assert comm("row_wise").parts["comm"] == pytest.approx(5)
-    # the replicas' counts, ids and row gradients (all-gathers), no all-to-all, the dense all-reduce
-    assert comm("data_parallel").parts["comm"] == pytest.approx(4)
-    assert comm({"t0": "row_wise", "t1": "data_parallel"}).parts["comm"] == pytest.approx(8)
-    # k-step tables: one merge, the dense all-reduce
-    assert comm("row_wise", dataclasses.replace(shape, sparse_sync="k_step")).parts["comm"] == pytest.approx(2)
-    # A replica applies one row gradient a rank's distinct id, priced by replica_op_s alone.
-    rows_only = dataclasses.replace(free, collective_latency_s=0.0, replica_op_s=1.0)
-    replicated = comm({"t0": "row_wise", "t1": "data_parallel"}, rates=rows_only)
-    assert replicated.parts["tables"] == pytest.approx(2 * access["t1"].unique(64))
-    assert comm("row_wise", rates=rows_only).parts["tables"] == 0
+    TieredEmbeddingBagCollection(table_configs([400_000, 500], dim=16), optimizer=RowWiseAdagrad(), storage=storage)

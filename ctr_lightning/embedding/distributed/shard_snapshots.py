@@ -23,7 +23,6 @@ from ctr_lightning.embedding.table_snapshot import (
     SnapshotManifest,
     SnapshotRef,
     join_shards,
-    mark_saved,
     write_manifest,
     write_shard,
     writing,
@@ -68,9 +67,9 @@ def save_shards(local: LocalTables, directory: str | os.PathLike, process_group:
             except Exception as e:  # noqa: BLE001
                 failure = e
         _raise_any(directory, failure, gather_objects(_describe(rank, failure), process_group))
-    mark_saved(local)
+    local.mark_saved()
     if replicas is not None:
-        mark_saved(replicas)  # every rank's: they are equal, rank 0's are saved
+        replicas.mark_saved()  # every rank's: they are equal, rank 0's are saved
     return manifest
 
 

@@ -1,5 +1,6 @@
 """A training forward whose backward never comes (a skipped batch, an exception before
-backward) gives its rows back; forwards still waiting for their backward keep them."""
+backward) gives its rows back; forwards still waiting for their backward keep them
+(forward_pins.ForwardPins)."""
 
 import gc
 
