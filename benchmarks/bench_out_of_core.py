@@ -117,7 +117,7 @@ try:  # the recorder is loaded by the CLI (class_path bench_out_of_core.StepReco
             from ctr_lightning.callbacks.tiered_collections import tiered_collections
 
             collections = tiered_collections(trainer.lightning_module, "bench")
-            from ctr_lightning.embedding.table_snapshot import SnapshotManifest
+            from ctr_lightning.embedding.snapshots.table_snapshot import SnapshotManifest
 
             _reset_peak()
             disk_before = shutil.disk_usage(self.dirpath.parent).used

@@ -21,7 +21,7 @@ import numba
 import numpy as np
 import torch
 
-from ctr_lightning.embedding.row_cache import RowCache, Rows
+from ctr_lightning.embedding.tiers.row_cache import RowCache, Rows
 
 
 @numba.njit(cache=True, nogil=True)

@@ -29,8 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-import ctr_lightning.embedding.ssd_log_segments as ssd_log_segments
 from ctr_lightning.embedding import StorageConfig
+import ctr_lightning.embedding.tiers.ssd.ssd_log_segments as ssd_log_segments
 from ctr_lightning.topology import ModelShape, PlanOptions, TableAccess, discover, plan
 from ctr_lightning.topology.auto_placement import set_threads
 from ctr_lightning.topology.calibration import dlrm_step, fill_tables, make_batch

@@ -33,9 +33,9 @@ import pyarrow.parquet as pq
 import torch
 
 import ctr_lightning  # noqa: F401 - registers the config classes a checkpoint may hold
-from ctr_lightning.embedding.key_index import KeyIndex
-from ctr_lightning.embedding.row_files import file_sha256
-from ctr_lightning.embedding.table_snapshot import MANIFEST, SnapshotManifest, read_snapshot_file, verify
+from ctr_lightning.embedding.snapshots.row_files import file_sha256
+from ctr_lightning.embedding.snapshots.table_snapshot import MANIFEST, SnapshotManifest, read_snapshot_file, verify
+from ctr_lightning.embedding.tiers.key_index import KeyIndex
 
 FORMAT = "ctr-lightning-export-1"
 

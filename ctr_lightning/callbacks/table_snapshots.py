@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from ctr_lightning.callbacks.tiered_collections import tiered_collections
-from ctr_lightning.embedding.table_snapshot import SNAPSHOT_NAME, SnapshotManifest, abandoned
+from ctr_lightning.embedding.snapshots.table_snapshot import SNAPSHOT_NAME, SnapshotManifest, abandoned
 from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
 
 
@@ -38,7 +38,7 @@ def with_ancestors(snapshots: set[str]) -> set[str]:
 class TableSnapshots(Callback):
     """Every checkpoint of the LightningModule's :class:`TieredEmbeddingBagCollection` s
     writes their rows to a new table snapshot (streamed from every tier, at the memory of
-    one chunk; see :mod:`~ctr_lightning.embedding.table_snapshot`) and the ``.ckpt`` file
+    one chunk; see :mod:`~ctr_lightning.embedding.snapshots.table_snapshot`) and the ``.ckpt`` file
     holds only its path and its manifest's SHA-256; ``fit --ckpt_path`` loads it back.
 
     Snapshots go to ``root``, by default ``table_snapshots`` beside the first

@@ -13,8 +13,8 @@ from typing_extensions import override
 
 from ctr_lightning.callbacks.tiered_collections import tiered_collections
 from ctr_lightning.embedding.counters import sum_counters
+from ctr_lightning.embedding.prefetch.working_set_prefetcher import WorkingSetPrefetcher
 from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
-from ctr_lightning.embedding.working_set_prefetcher import WorkingSetPrefetcher
 
 
 class WorkingSetPrefetch(Callback):

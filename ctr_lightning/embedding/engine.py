@@ -19,7 +19,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding.sharding_plan import TableSharding
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest, SnapshotRef
+from ctr_lightning.embedding.snapshots.table_snapshot import SnapshotManifest, SnapshotRef
 
 TableState = dict[str, Any]  # per table: "ids" [n], "rows" [n, dim + optimizer state], "steps"
 
@@ -65,7 +65,7 @@ class TableEngine(ABC):
     @abstractmethod
     def save_snapshot(self, directory: str | os.PathLike, parent: SnapshotRef | None = None) -> SnapshotManifest:
         """Stream every stored row into a new table snapshot (see
-        :mod:`~ctr_lightning.embedding.table_snapshot`); each rank writes the rows it owns.
+        :mod:`~ctr_lightning.embedding.snapshots.table_snapshot`); each rank writes the rows it owns.
         With ``parent``, the engine's last snapshot (saved or loaded), only the rows
         changed since. Collective when distributed."""
 

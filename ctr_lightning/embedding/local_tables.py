@@ -14,10 +14,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding.counters import sum_counters
 from ctr_lightning.embedding.engine import TableEngine, TableState
+from ctr_lightning.embedding.snapshots.table_snapshot import SnapshotManifest, SnapshotRef, load_tables, save_tables
 from ctr_lightning.embedding.table_checks import align_features
 from ctr_lightning.embedding.table_group import TableGroup
 from ctr_lightning.embedding.table_setup import TableSetup
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest, SnapshotRef, load_tables, save_tables
 
 
 class LocalTables(TableEngine):

@@ -9,16 +9,16 @@ import numpy as np
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from ctr_lightning.embedding.key_index import dedup
-from ctr_lightning.embedding.pooling import BagLayout, CpuBackward, pool_cpu, pool_torch, update_cpu, update_torch
-from ctr_lightning.embedding.row_cache import Rows
+from ctr_lightning.embedding.kernels.pooling import BagLayout, CpuBackward, pool_cpu, pool_torch, update_cpu, update_torch
+from ctr_lightning.embedding.prefetch.working_set import WorkingSet
 from ctr_lightning.embedding.table_setup import TableSetup
-from ctr_lightning.embedding.tier_stack import TierStack
-from ctr_lightning.embedding.working_set import WorkingSet
+from ctr_lightning.embedding.tiers.key_index import dedup
+from ctr_lightning.embedding.tiers.row_cache import Rows
+from ctr_lightning.embedding.tiers.tier_stack import TierStack
 
 if TYPE_CHECKING:
-    from ctr_lightning.embedding.segment_sets import SegmentSet, SegmentSetWriter
-    from ctr_lightning.embedding.ssd_tier import SsdTier
+    from ctr_lightning.embedding.snapshots.segment_sets import SegmentSet, SegmentSetWriter
+    from ctr_lightning.embedding.tiers.ssd.ssd_tier import SsdTier
 
 
 class TableGroup:

@@ -14,8 +14,8 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from ctr_lightning.embedding.initializer import init_range
+from ctr_lightning.embedding.kernels.sparse_update import state_width
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
-from ctr_lightning.embedding.sparse_update import state_width
 from ctr_lightning.embedding.storage_config import StorageConfig
 
 KERNELS = ("auto", "numba", "torch")

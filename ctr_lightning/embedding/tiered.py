@@ -18,17 +18,17 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ctr_lightning.embedding.collection_copies import claim_planned_ssd, refuse_copy
-from ctr_lightning.embedding.collection_snapshots import CollectionSnapshots
 from ctr_lightning.embedding.engine import TableEngine
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.loss_scaling import unscale_in_backward, warn_if_loss_may_be_scaled
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 from ctr_lightning.embedding.sharding_plan import SHARDING_KINDS, TableSharding, plan_sharding
+from ctr_lightning.embedding.snapshots.collection_snapshots import CollectionSnapshots
+from ctr_lightning.embedding.snapshots.table_snapshot import SnapshotManifest
 from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig
-from ctr_lightning.embedding.table_placer import PlacedTables, TablePlacer
 from ctr_lightning.embedding.table_checks import check_tables, torchrec_input
+from ctr_lightning.embedding.table_placer import PlacedTables, TablePlacer
 from ctr_lightning.embedding.table_setup import TableSetup, check_kernel_device
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest
 from ctr_lightning.embedding.torchrec_state import rows_from_torchrec, torchrec_weights
 from ctr_lightning.fault_points import reached
 from ctr_lightning.merge_schedule import MergeSchedule

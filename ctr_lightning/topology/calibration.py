@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ctr_lightning.embedding.ssd_log_segments import PARALLEL_READ_MIN
+from ctr_lightning.embedding.tiers.ssd.ssd_log_segments import PARALLEL_READ_MIN
 from ctr_lightning.topology.auto_placement import set_threads
 from ctr_lightning.topology.cost_model import HardwareRates
 from ctr_lightning.topology.planner import ModelShape

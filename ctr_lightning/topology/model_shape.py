@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
+from ctr_lightning.embedding.kernels.sparse_update import state_width
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
-from ctr_lightning.embedding.sparse_update import state_width
 
 
 @dataclass(frozen=True)

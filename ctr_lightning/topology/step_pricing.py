@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from ctr_lightning.embedding.sparse_update import state_width
+from ctr_lightning.embedding.kernels.sparse_update import state_width
 from ctr_lightning.topology.access_profile import TableAccess
 from ctr_lightning.topology.cost_model import HardwareRates, StepEstimate, TableLoad, estimate_step
 from ctr_lightning.topology.machine import Machine

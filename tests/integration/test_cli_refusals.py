@@ -3,7 +3,7 @@ jsonargparse's "Does not validate against any of the Union subtypes"."""
 
 import os
 
-from ctr_lightning.embedding.directory_lock import DirectoryLock
+from ctr_lightning.embedding.tiers.ssd.directory_lock import DirectoryLock
 
 from .test_cli_resume import demo, run_cli
 
@@ -19,7 +19,7 @@ def test_a_second_run_on_a_used_ssd_dir_is_refused_naming_the_directory_and_hold
         held.release()
     assert second.returncode != 0
     last = second.stderr.strip().splitlines()[-1]
-    assert last.startswith("ctr_lightning.embedding.directory_lock.DirectoryInUseError: ") and "Union" not in second.stderr
+    assert last.startswith("ctr_lightning.embedding.tiers.ssd.directory_lock.DirectoryInUseError: ") and "Union" not in second.stderr
     assert f"{ssd} is in use by another process (PID {os.getpid()})" in last
     assert (ssd / "group0_dim4.000000.0.seg").read_bytes() == b"a live run's rows"
     assert not (tmp_path / "runs" / "demo").exists() or not any((tmp_path / "runs" / "demo").rglob("*.ckpt"))

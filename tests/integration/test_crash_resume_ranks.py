@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from ctr_lightning.embedding.table_snapshot import MANIFEST, WRITING, SnapshotManifest, read_snapshot_file
+from ctr_lightning.embedding.snapshots.table_snapshot import MANIFEST, WRITING, SnapshotManifest, read_snapshot_file
 from ctr_lightning.fault_points import POINTS
 
 ROOT = Path(__file__).resolve().parents[2]

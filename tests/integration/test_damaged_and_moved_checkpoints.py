@@ -15,8 +15,8 @@ from ctr_lightning.callbacks import TableSnapshots
 from ctr_lightning.callbacks.table_snapshots import snapshot_references
 from ctr_lightning.datamodules import CriteoDataModule, write_synthetic_criteo
 from ctr_lightning.embedding import StorageConfig
-from ctr_lightning.embedding.row_files import RowFileError
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest
+from ctr_lightning.embedding.snapshots.row_files import RowFileError
+from ctr_lightning.embedding.snapshots.table_snapshot import SnapshotManifest
 from ctr_lightning.models import DLRMModule
 from ctr_lightning.serving_export import export_for_serving
 

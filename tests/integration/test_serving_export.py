@@ -52,7 +52,7 @@ def test_an_export_scores_a_batch_as_the_trained_model_does(tmp_path, snapshots)
     assert {name: t["rows"] for name, t in described["tables"].items()} == stored  # each stored row once
     if snapshots:  # the last snapshot is the third incremental one over the first: the export read the chain
         from ctr_lightning.callbacks.table_snapshots import snapshot_references
-        from ctr_lightning.embedding.table_snapshot import SnapshotManifest
+        from ctr_lightning.embedding.snapshots.table_snapshot import SnapshotManifest
 
         last = next(iter(snapshot_references(torch.load(tmp_path / "ckpt" / "last.ckpt")["state_dict"])))
         chain = SnapshotManifest.read(last).chain(last)

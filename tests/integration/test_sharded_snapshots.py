@@ -10,7 +10,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest, read_snapshot_file
+from ctr_lightning.embedding.snapshots.table_snapshot import SnapshotManifest, read_snapshot_file
 
 TABLES = [
     EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=400, feature_names=["f0"]),

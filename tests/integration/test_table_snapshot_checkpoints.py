@@ -13,7 +13,7 @@ from ctr_lightning.callbacks import TableSnapshots
 from ctr_lightning.callbacks.table_snapshots import snapshot_references, with_ancestors
 from ctr_lightning.datamodules import CriteoDataModule, write_synthetic_criteo
 from ctr_lightning.embedding import StorageConfig, TieredEmbeddingBagCollection
-from ctr_lightning.embedding.table_snapshot import MANIFEST, WRITING, SnapshotManifest
+from ctr_lightning.embedding.snapshots.table_snapshot import MANIFEST, WRITING, SnapshotManifest
 from ctr_lightning.models import DLRMModule
 
 STEPS, EVERY = 24, 6

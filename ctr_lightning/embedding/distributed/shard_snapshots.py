@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ctr_lightning.embedding.distributed.collectives import gather_objects
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.sharding_plan import TableSharding
-from ctr_lightning.embedding.table_snapshot import (
+from ctr_lightning.embedding.snapshots.table_snapshot import (
     ShardFiles,
     SnapshotManifest,
     SnapshotRef,

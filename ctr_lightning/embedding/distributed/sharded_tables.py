@@ -22,9 +22,9 @@ from ctr_lightning.embedding.distributed.shard_snapshots import save_shards
 from ctr_lightning.embedding.engine import TableEngine, TableState
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
+from ctr_lightning.embedding.snapshots.table_snapshot import SnapshotManifest, SnapshotRef
 from ctr_lightning.embedding.table_checks import align_features
 from ctr_lightning.embedding.table_setup import TableSetup
-from ctr_lightning.embedding.table_snapshot import SnapshotManifest, SnapshotRef
 
 
 class ShardedTables(TableEngine):
