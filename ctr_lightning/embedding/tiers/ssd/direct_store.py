@@ -35,12 +35,6 @@ class RecordFile:
         self.fd = -1
         self._claim = None
         self.path = self.directory / f"{name}.rows"
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise OSError(e.errno, f"SSD tier of tables {table_names}: cannot create files in "
-                                   f"{self.directory}: {e.strerror}") from e
-        # Before the file is truncated: another live run's rows may be in it.
         self._claim = claim_directory(self.directory, table_names)
         try:
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -70,12 +70,6 @@ class SsdLog:
         self.lock = threading.Lock()
         self.snapshots = LogSnapshots(self.files, self.index, self.lock)
         self._claim: DirectoryLock | None = None
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise OSError(e.errno, f"SSD tier of tables {table_names}: cannot create files in "
-                                   f"{self.directory}: {e.strerror}") from e
-        # Before anything there is deleted: the files of another live run are not stale.
         self._claim = claim_directory(self.directory, table_names)
         try:
             self.files.remove_stale()

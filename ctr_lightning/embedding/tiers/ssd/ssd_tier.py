@@ -161,7 +161,14 @@ class SsdTier(Protocol):
 
 
 def claim_directory(directory: Path, table_names: list[str]) -> DirectoryLock:
-    """This process's claim on an SSD directory: another run's tiers there are refused."""
+    """This process's claim on an SSD directory, created if need be: another run's tiers
+    there are refused. Taken before a store truncates or deletes anything there, as the
+    files of another live run are not stale."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(e.errno, f"SSD tier of tables {table_names}: cannot create files in "
+                               f"{directory}: {e.strerror}") from e
     return DirectoryLock(directory, f"SSD tier of tables {table_names}", "StorageConfig.ssd_dir")
 
 
