@@ -40,6 +40,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection, WorkingSetPrefetcher
+from ctr_lightning.topology.calibration import drop_cached_pages
 
 TABLES, DIM, BATCH = 26, 64, 4096
 
@@ -137,28 +138,13 @@ def torch_sparse_adam(rows: int):
     return step
 
 
-def drop_from_page_cache(directory: str) -> None:
-    """Sync every file under ``directory`` and drop its pages, whichever SSD store wrote it."""
-    for root, _, files in os.walk(directory):
-        for name in files:
-            try:
-                fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            except FileNotFoundError:  # a segment cleaned meanwhile
-                continue
-            try:
-                os.fdatasync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def ours(rows: int, storage: StorageConfig | None, cold: bool = False):
     ebc = TieredEmbeddingBagCollection(configs(rows), storage=storage, optimizer=SparseAdam(lr=1e-3))
 
     def step(kjt):
         ebc(kjt).values().sum().backward()
         if cold:  # the SSD tier's pages leave the page cache: reads go to the device
-            drop_from_page_cache(storage.ssd_dir)
+            drop_cached_pages(storage.ssd_dir)
     return ebc, step
 
 

@@ -147,16 +147,16 @@ class TableGroup:
     # -- rows of a replica (see ReplicatedTables) ----------------------------------------------
 
     def absent(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        return self.tiers.absent(tables, ids)
+        return self.tiers.replica.absent(tables, ids)
 
     def hold(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
-        self.tiers.hold(tables, ids, rows)
+        self.tiers.replica.hold(tables, ids, rows)
 
     def changed(self) -> Rows:
-        return self.tiers.changed()
+        return self.tiers.replica.changed()
 
     def forget(self) -> None:
-        self.tiers.forget()
+        self.tiers.replica.forget()
 
     # -- reads without side effects, writes, checkpoints ----------------------------------------
 

@@ -13,7 +13,7 @@ from ctr_lightning.embedding.table_setup import TableSetup, has_host_tier
 from ctr_lightning.embedding.tiers.group_tables import GroupTables
 from ctr_lightning.embedding.tiers.miss_path import MissPath
 from ctr_lightning.embedding.tiers.replica_rows import ReplicaRows
-from ctr_lightning.embedding.tiers.row_cache import RowCache, Rows
+from ctr_lightning.embedding.tiers.row_cache import RowCache
 from ctr_lightning.embedding.tiers.row_export import RowExport
 from ctr_lightning.embedding.tiers.row_load import RowLoad
 from ctr_lightning.embedding.tiers.ssd.direct_store import DirectSsdStore
@@ -143,20 +143,6 @@ class TierStack:
         """Wait for the SSD write under way; copies in memory learn where rows moved. A
         failed write raises here, and its rows stay readable (:meth:`full_rows`, :meth:`export`)."""
         self.writer.drain()
-
-    # -- rows held in memory only, for replicas (ReplicaRows) ------------------------------------
-
-    def absent(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        return self.replica.absent(tables, ids)
-
-    def hold(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
-        self.replica.hold(tables, ids, rows)
-
-    def changed(self) -> Rows:
-        return self.replica.changed()
-
-    def forget(self) -> None:
-        self.replica.forget()
 
     # -- reads without side effects, writes --------------------------------------------------
 
