@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ctr_lightning.strategies import KStepAdamStrategy
 
 rank, config, out_dir = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+world_size = int(os.environ.get("WORLD_SIZE", "1"))  # read once: Lightning's teardown of a fit deletes it
 
 class MLP(pl.LightningModule):
     def __init__(self, optimizer):
@@ -81,39 +82,48 @@ class Record(pl.Callback):
         if batch_idx == 0 and not trainer.sanity_checking:  # after the strategy's on_validation_start
             validated.append((trainer.global_step, flat(module), flat_moments(trainer)))
 
-pl.seed_everything(rank)  # different starting points: the strategy must make them equal
-g = torch.Generator().manual_seed(0)
-x = torch.randn(512, 8, generator=g)
-data = TensorDataset(x, x.sum(1) + 0.1 * torch.randn(512, generator=g))
-kind = config.pop("strategy")
-optimizer = config.pop("optimizer", "adam")
-val_check_interval = config.pop("val_check_interval", None)
-checkpoint_every = config.pop("checkpoint_every", None)
-resume = config.pop("resume", None)
-tag = config.pop("tag", kind)
-callbacks = [Record()]
-if checkpoint_every:
-    callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), filename="{step}",
-                                                  every_n_train_steps=checkpoint_every, save_top_k=-1))
-strategy = "ddp" if kind == "ddp" else KStepAdamStrategy(**config)
-trainer = pl.Trainer(accelerator="cpu", devices=int(os.environ.get("WORLD_SIZE", "1")), strategy=strategy,
-                     max_steps=12, logger=False, enable_checkpointing=bool(checkpoint_every), enable_progress_bar=False,
-                     enable_model_summary=False, callbacks=callbacks, val_check_interval=val_check_interval,
-                     limit_val_batches=2 if val_check_interval else 0)
-module = {"two_adam": TwoOptimizers, "step_data": lambda: StepData("adam")}.get(optimizer, lambda: MLP(optimizer))()
-trainer.fit(module, DataLoader(data, batch_size=16), DataLoader(data, batch_size=16) if val_check_interval else None,
-            ckpt_path=os.path.join(out_dir, "ckpt", resume) if resume else None)
-opt = trainer.optimizers[0]
-state = [opt.state[p] for p in trainer.lightning_module.parameters()]
-torch.save({"history": history, "stepped": stepped, "moments": moments, "stepped_moments": stepped_moments,
-            "validated": validated, "started": started, "final": flat(trainer.lightning_module),
-            "exp_avg": [s.get("exp_avg") for s in state]},
-           os.path.join(out_dir, f"{tag}_{rank}.pt"))
-result = {"rank": rank}
-if kind != "ddp":
-    result.update(merges=strategy.merges, divergence=strategy.last_divergence,
-                  intra=strategy.average.bytes.intra_node, inter=strategy.average.bytes.inter_node)
-print("RESULT " + json.dumps(result), flush=True)
+def run(config):
+    for recorded in (history, stepped, moments, stepped_moments, validated, started):
+        recorded.clear()
+    pl.seed_everything(rank)  # different starting points: the strategy must make them equal
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 8, generator=g)
+    data = TensorDataset(x, x.sum(1) + 0.1 * torch.randn(512, generator=g))
+    kind = config.pop("strategy")
+    optimizer = config.pop("optimizer", "adam")
+    val_check_interval = config.pop("val_check_interval", None)
+    checkpoint_every = config.pop("checkpoint_every", None)
+    resume = config.pop("resume", None)
+    tag = config.pop("tag", kind)
+    callbacks = [Record()]
+    if checkpoint_every:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), filename="{step}",
+                                                      every_n_train_steps=checkpoint_every, save_top_k=-1))
+    strategy = "ddp" if kind == "ddp" else KStepAdamStrategy(**config)
+    trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy,
+                         max_steps=12, logger=False, enable_checkpointing=bool(checkpoint_every),
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+                         val_check_interval=val_check_interval,
+                         limit_val_batches=2 if val_check_interval else 0)
+    module = {"two_adam": TwoOptimizers, "step_data": lambda: StepData("adam")}.get(optimizer, lambda: MLP(optimizer))()
+    trainer.fit(module, DataLoader(data, batch_size=16),
+                DataLoader(data, batch_size=16) if val_check_interval else None,
+                ckpt_path=os.path.join(out_dir, "ckpt", resume) if resume else None)
+    opt = trainer.optimizers[0]
+    state = [opt.state[p] for p in trainer.lightning_module.parameters()]
+    torch.save({"history": history, "stepped": stepped, "moments": moments, "stepped_moments": stepped_moments,
+                "validated": validated, "started": started, "final": flat(trainer.lightning_module),
+                "exp_avg": [s.get("exp_avg") for s in state]},
+               os.path.join(out_dir, f"{tag}_{rank}.pt"))
+    result = {"rank": rank}
+    if kind != "ddp":
+        result.update(merges=strategy.merges, divergence=strategy.last_divergence,
+                      intra=strategy.average.bytes.intra_node, inter=strategy.average.bytes.inter_node)
+    return result
+
+# One run, or several in turn in this process (each a fresh module, strategy and Trainer).
+results = [run(c) for c in (config if isinstance(config, list) else [config])]
+print("RESULT " + json.dumps(results if isinstance(config, list) else results[0]), flush=True)
 import torch.distributed as _dist
 if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
     _dist.destroy_process_group()
@@ -122,6 +132,11 @@ if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-tim
 
 def _run(run_ranks, tmp_path, world, **config):
     return run_ranks(RANK_SCRIPT, [json.dumps(config), str(tmp_path)], world=world)
+
+
+def _run_in_turn(run_ranks, tmp_path, world, *configs):
+    """Several runs, one after another in the same ``world`` processes."""
+    return run_ranks(RANK_SCRIPT, [json.dumps(list(configs)), str(tmp_path)], world=world)
 
 
 def _history(tmp_path, kind, rank):
@@ -273,11 +288,17 @@ def test_resume_continues_the_kstep_schedule(tmp_path, run_ranks, world):
     # Checkpoints every 2 steps; k=4 merges after steps 4, 8 and 12.
     config = dict(strategy="kstep", k=4, mode="all", optimizer="step_data", checkpoint_every=2,
                   moment_dtype="float32")
-    _run(run_ranks, tmp_path, world, tag="full", **config)
+    # The uninterrupted run, then the resumed ones, in turn in the same processes: each a
+    # fresh module, strategy and Trainer with only the checkpoint to go on, which lies
+    # before the step the run before it ended at.
+    runs = [dict(config, tag="full"), dict(config, tag="from8", resume="step=8.ckpt")]
+    if world == 2:
+        runs.append(dict(config, tag="from6", resume="step=6.ckpt"))
+    _run_in_turn(run_ranks, tmp_path, world, *runs)
     full = [_history(tmp_path, "full", r) for r in range(world)]
+    assert all(len(run["history"]) == 12 for run in full)
     # From step 8, a merge step: every rank holds the merged model, and so does the
     # checkpoint; the resumed run ends where the uninterrupted one does, bit for bit.
-    _run(run_ranks, tmp_path, world, tag="from8", resume="step=8.ckpt", **config)
     for rank in range(world):
         resumed = _history(tmp_path, "from8", rank)
         assert len(resumed["history"]) == 4  # steps 9-12
@@ -288,8 +309,8 @@ def test_resume_continues_the_kstep_schedule(tmp_path, run_ranks, world):
         return
     # From step 6, between merges: the checkpoint holds the ranks' mean, every rank starts
     # from it, steps 7-8 run locally and the merge after step 8 keeps its place.
-    _run(run_ranks, tmp_path, world, tag="from6", resume="step=6.ckpt", **config)
     a, b = (_history(tmp_path, "from6", r) for r in range(2))
+    assert len(a["history"]) == len(b["history"]) == 6  # steps 7-12
     mean = (full[0]["stepped"][5] + full[1]["stepped"][5]) / 2
     for run in (a, b):
         torch.testing.assert_close(run["started"][0][0], mean, atol=1e-7, rtol=0)

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -105,13 +106,22 @@ def _cli_config(tmp_path: Path, name: str, kill_at: int) -> Path:
 
 @pytest.mark.slow
 def test_cli_fit_ckpt_path_last_after_sigkill_is_bit_exact(tmp_path, killer):
+    from ctr_lightning.datamodules import SyntheticCriteoDataModule
+
     cli = [sys.executable, "-m", "ctr_lightning.cli", "fit"]
-    full = _run([*cli, "--config", str(_cli_config(tmp_path, "full", 0))], ROOT, tmp_path)
+    # The data first, so that the uninterrupted run can go on beside the killed one (their
+    # own log, checkpoint and SSD directories; the same data files, read only).
+    SyntheticCriteoDataModule(data_dir=str(tmp_path / "data"), train_rows=STEPS * 64 + 500, val_rows=500,
+                              max_cardinality=5000, batch_size=64).prepare_data()
+    with ThreadPoolExecutor(1) as pool:
+        uninterrupted = pool.submit(_run, [*cli, "--config", str(_cli_config(tmp_path, "full", 0))], ROOT, tmp_path)
+        killed = _run([*cli, "--config", str(_cli_config(tmp_path, "run", KILL_AT))], ROOT, tmp_path)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        resumed = _run([*cli, "--config", str(_cli_config(tmp_path, "run", 0)), "--ckpt_path", "last"], ROOT,
+                       tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        full = uninterrupted.result()
     assert full.returncode == 0, full.stderr[-3000:]
-    killed = _run([*cli, "--config", str(_cli_config(tmp_path, "run", KILL_AT))], ROOT, tmp_path)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    resumed = _run([*cli, "--config", str(_cli_config(tmp_path, "run", 0)), "--ckpt_path", "last"], ROOT, tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
     # The resumed run logs on into the killed run's directory instead of a new, empty version.
     run_dir = tmp_path / "runs" / "run"
     assert sorted(p.name for p in run_dir.iterdir()) == ["version_0"]
