@@ -52,7 +52,7 @@ class MergeSchedule:
         """Whether the ranks took steps on their own since they were last equal."""
         return self.k > 1 and self.steps > max(self.warmup_steps, self.last_merge)
 
-    def merged(self) -> None:
+    def note_merge(self) -> None:
         """An unscheduled merge made the ranks equal now."""
         self.last_merge = self.steps
 

@@ -13,7 +13,8 @@ never stored were never trained; their value in the trained model is its initial
 :mod:`ctr_lightning.embedding.initializer`, ``[low, high]`` being the table's
 ``init_range`` (``export.json`` holds it and the seed per table; torchrec's default
 ``-+sqrt(1 / num_embeddings)`` unless the table's config set another), or whatever default a
-server prefers. The rows stream from the checkpoint's table snapshot (or from its in-file
+server prefers; in a table that admits ids selectively (``"unstored": "zeros"``) a row stored
+nowhere was never admitted and reads zeros. The rows stream from the checkpoint's table snapshot (or from its in-file
 tables) a chunk at a time, so memory stays constant whatever the tables' size.
 """
 
@@ -162,6 +163,7 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
     for extra in collections.values():
         configs, chunks = _table_chunks(extra, chunk_rows, Path(ckpt_path).parent / "table_snapshots")
         init_ranges = extra.get("init_ranges") or {}  # tables at torchrec's default range are not listed
+        zero_unstored = set(extra.get("zero_unstored") or ())  # tables that admit ids selectively
         writers: dict[str, _TableWriter] = {}
         for name, ids, rows in chunks:
             if name not in writers:
@@ -181,6 +183,7 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
                 "seed": int(config.get("seed", hparams.get("seed", 0))),
                 "init_range": [float(x) for x in init_ranges[name]] if name in init_ranges else
                               (None if bound is None else [-bound, bound]),
+                "unstored": "zeros" if name in zero_unstored else "initial",
                 "rows": writer.rows if writer else 0,
                 "files": [{"path": str(Path(f["path"]).relative_to(out)), "rows": f["rows"],
                            "sha256": file_sha256(f["path"])} for f in (writer.files if writer else [])],
@@ -197,8 +200,9 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
         "dense": {"path": "dense.safetensors", "sha256": file_sha256(out / "dense.safetensors"),
                   "tensors": len(dense)},
         "tables": tables_out,
-        "unstored_rows": "initial_rows(seed, table_key(table), id, dim, *range_bounds(*init_range)) "
-                         "of ctr_lightning.embedding.initializer: uniform in the table's init_range",
+        "unstored_rows": "a table's 'unstored': 'initial': initial_rows(seed, table_key(table), id, dim, "
+                         "*range_bounds(*init_range)) of ctr_lightning.embedding.initializer, uniform in the "
+                         "table's init_range; 'zeros': zeros (ids never admitted)",
     }
     partial = out / "export.json.partial"
     partial.write_text(json.dumps(description, indent=1, sort_keys=True))

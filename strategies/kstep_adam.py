@@ -276,7 +276,7 @@ class KStepAdamStrategy(DDPStrategy):
             metrics = self.merging.apply_overlapped()
             if self._merge_pending():
                 metrics.update(self.merge())
-                self.schedule.merged()
+                self.schedule.note_merge()
         self._record(metrics)
 
     # -- checkpoints -------------------------------------------------------------------------

@@ -26,7 +26,7 @@ def test_pending_local_steps_and_unscheduled_merges():
     assert not schedule.pending()  # the warm-up step kept the ranks equal
     run(schedule, 2)
     assert schedule.pending()
-    schedule.merged()  # e.g. validation started after step 3
+    schedule.note_merge()  # e.g. validation started after step 3
     assert not schedule.pending()
     # The schedule keeps its place: merges after steps 5 and 9 (1 + 4k), not 3 + 4.
     assert [i + 4 for i, (_, merge) in enumerate(run(schedule, 6)) if merge] == [5, 9]

@@ -106,7 +106,7 @@ class StorageMonitor(Callback):
         rank_zero_info(f"StorageMonitor: stops once {self.stop_at / 2**30:.1f} GiB of rows are on SSD "
                        f"({', '.join(directories)}: about {need / 2**30:.1f} GiB of disk needed)")
 
-    def stats(self) -> dict[str, float]:
+    def storage(self) -> dict[str, float]:
         total = sum_counters(c.storage_stats() for c in self._collections)
         rows = total["ssd_rows"] + total["memory_rows"]
         return {"storage/ssd_bytes": float(total["ssd_bytes"]), "storage/ssd_live_bytes": float(total["ssd_live_bytes"]),
@@ -119,7 +119,7 @@ class StorageMonitor(Callback):
                            batch_idx: int) -> None:
         if trainer.global_step % self.every_n_steps:
             return
-        self.last = self.stats()
+        self.last = self.storage()
         for logger in trainer.loggers:
             logger.log_metrics(self.last, step=trainer.global_step)
         pl_module.log("rows_M", self.last["storage/rows"] / 1e6, prog_bar=True, on_step=True, on_epoch=False,

@@ -2,11 +2,13 @@
 
 At this level: the collection (``tiered``), its engines (``engine``, ``local_tables``,
 ``table_group``), their settings and configs (``table_setup``, ``storage_config``,
-``optimizers``, ``sharding_plan``, ...). Below it: ``tiers`` (device, host and SSD storage),
+``optimizers``, ``sharding_plan``, ``admission_config``, ...). Below it: ``tiers`` (device, host and SSD storage),
 ``snapshots`` (rows streamed to files), ``prefetch`` (the working set read ahead),
-``kernels`` (pooling and the fused optimizer step) and ``distributed`` (the sharded engines).
+``kernels`` (pooling and the fused optimizer step), ``lifecycle`` (which rows a table keeps:
+admission) and ``distributed`` (the sharded engines).
 """
 
+from ctr_lightning.embedding.admission_config import Admission
 from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig, plan_storage
 from ctr_lightning.embedding.tiered import GatheringSsdRowsError, TieredEmbeddingBagCollection
 from ctr_lightning.embedding.prefetch.working_set_prefetcher import WorkingSetPrefetcher
@@ -20,6 +22,7 @@ from ctr_lightning.embedding.optimizers import (
 )
 
 __all__ = [
+    "Admission",
     "AutoStorage",
     "GatheringSsdRowsError",
     "RowWiseAdagrad",

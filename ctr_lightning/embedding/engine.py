@@ -4,7 +4,7 @@ The collection keeps torchrec's interface (KJT in, KeyedTensor out) and validate
 arguments; an engine holds the rows and does the work. There are three:
 :class:`LocalTables` (one process holds every table), and, under torch.distributed,
 :class:`ShardedTables` (rows live on their owners; ids and pooled embeddings travel
-every step) and :class:`ReplicatedTables` (each rank trains local replicas, merged by
+every step) and :class:`KStepTables` (each rank trains local copies, merged by
 the owners every k steps), both in :mod:`ctr_lightning.embedding.distributed`.
 """
 
@@ -15,6 +15,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -74,6 +75,18 @@ class TableEngine(ABC):
         """Replace every stored row by a snapshot's, from any number of ranks; each rank
         keeps the rows it owns. Not collective."""
 
+    def sightings(self) -> dict[str, np.ndarray]:
+        """Per table that counts sightings for admission, its whole sketch
+        (:meth:`SightingSketch.state`, every rank's partitions joined). Collective when
+        distributed."""
+        return {}
+
+    def load_sightings(self, state: Mapping[str, np.ndarray]) -> None:
+        """Take the sighting counters of :meth:`sightings` (from any number of ranks)."""
+        if state:
+            raise ValueError(f"the checkpoint holds sighting counters for tables {sorted(state)}, which count none "
+                             f"here (admission off?)")
+
     def from_rank0(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (a name they must agree on). Collective when
         distributed."""
@@ -84,13 +97,13 @@ class TableEngine(ABC):
         """Follow ``module.to(device)``: the device tier moves, the host and SSD tiers stay."""
 
     @abstractmethod
-    def tier_stats(self) -> dict[str, int]:
+    def counters(self) -> dict[str, int]:
         """Cumulative counters of this rank's tiers and read-ahead."""
 
     @abstractmethod
-    def storage_stats(self) -> dict[str, int]:
+    def storage(self) -> dict[str, int]:
         """What this rank's tiers hold now: rows and bytes on SSD, DRAM bytes (see
-        :meth:`TierStack.storage_stats`)."""
+        :meth:`TierStack.storage`)."""
 
     def comm_bytes(self) -> int:
         """Bytes this rank has sent to other ranks (0 in one process)."""

@@ -133,11 +133,11 @@ class LocalTables(TableEngine):
         group, local = self.group_of(table)
         return group.rows(local, ids.numpy().astype(np.int64, copy=False))
 
-    def tier_stats(self) -> dict[str, int]:
-        return sum_counters(group.stats for group in self.groups)
+    def counters(self) -> dict[str, int]:
+        return sum_counters(group.counters() for group in self.groups)
 
-    def storage_stats(self) -> dict[str, int]:
-        return sum_counters(group.storage_stats() for group in self.groups)
+    def storage(self) -> dict[str, int]:
+        return sum_counters(group.storage() for group in self.groups)
 
     def export(self) -> dict[str, TableState]:
         """Per table name: ``ids``, ``rows`` (``[n, dim + optimizer state]``) and ``steps``."""
@@ -150,6 +150,15 @@ class LocalTables(TableEngine):
                 out[name] = {"ids": state["id"][mine], "rows": state["rows"][mine],
                              "steps": int(state["steps"][local])}
         return out
+
+    def sightings(self) -> dict[str, np.ndarray]:
+        return {name: counts for group in self.groups if group.admission is not None
+                for name, counts in group.admission.state().items()}
+
+    def load_sightings(self, state: Mapping[str, np.ndarray]) -> None:
+        for group in self.groups:
+            if group.admission is not None:
+                group.admission.load(state)
 
     def save_snapshot(self, directory: str | os.PathLike, parent: SnapshotRef | None = None) -> SnapshotManifest:
         return save_tables(self, directory, parent=parent)

@@ -9,11 +9,13 @@ import numpy as np
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
+from ctr_lightning.embedding.lifecycle.admission_gate import AdmissionGate
 from ctr_lightning.embedding.kernels.pooling import BagLayout, CpuBackward, pool_cpu, pool_torch, update_cpu, update_torch
 from ctr_lightning.embedding.prefetch.working_set import WorkingSet
 from ctr_lightning.embedding.table_setup import TableSetup
 from ctr_lightning.embedding.tiers.key_index import dedup
 from ctr_lightning.embedding.tiers.row_cache import Rows
+from ctr_lightning.embedding.tiers.miss_path import Admit
 from ctr_lightning.embedding.tiers.tier_stack import TierStack
 
 if TYPE_CHECKING:
@@ -50,13 +52,18 @@ class TableGroup:
         # Set while a GradScaler scales the gradients (see loss_scaling): a backward whose
         # gradient is not finite is a step the scaler skips, so it updates no row.
         self.skip_nonfinite = False
+        gate = AdmissionGate(self.names, [setup.admission.get(n) for n in self.names],
+                             [setup.row_partition.get(n, (1, 0)) for n in self.names])
+        self.admission: AdmissionGate | None = gate if gate.active else None
 
-    @property
-    def stats(self) -> dict[str, int]:
-        return {**self.tiers.stats, **self.tiers.counters(), **self.working_set.stats}
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters of the tiers, the read-ahead and admission."""
+        admission = self.admission.counters if self.admission is not None else {}
+        return {**self.tiers.counters(), **self.working_set.counters, **admission}
 
-    def storage_stats(self) -> dict[str, int]:
-        return self.tiers.storage_stats()
+    def storage(self) -> dict[str, int]:
+        """What the tiers hold now (see :meth:`TierStack.storage`)."""
+        return self.tiers.storage()
 
     def move_device_tier(self, device: torch.device) -> None:
         self.tiers.move_device_tier(device)
@@ -73,17 +80,31 @@ class TableGroup:
         first, inverse, slots = self._unique_slots(tables, ids)
         u_tables, u_ids = tables[first], ids[first]
         miss = slots < 0
-        self.tiers.stats["device_hits"] += int((~miss).sum())
+        self.tiers.count_device_hits(int((~miss).sum()))
         if miss.any():
             slots[miss] = self.tiers.fetch(u_tables[miss], u_ids[miss], pinned=slots[~miss],
-                                           working_set=self.working_set)
+                                           working_set=self.working_set, admit=self._admit(inverse, miss, train))
         device_tier = self.tiers.device_tier
-        device_tier.touch(slots)
+        # Rows admission turned away have slot -1: the kernels read them as zeros, update nothing.
+        device_tier.touch(slots if self.admission is None else slots[slots >= 0])
         layout = BagLayout(slots, inverse, offsets, weights, batch)
         on_grad = _RowUpdate(self, slots, u_tables) if train else None
         if self.use_numba:
             return pool_cpu(device_tier.values, self.dim, self.mode == "mean", layout, on_grad)
         return pool_torch(device_tier.values, self.dim, self.mode, layout, on_grad)
+
+    def _admit(self, inverse: np.ndarray, miss: np.ndarray, train: bool) -> Admit | None:
+        """What admission takes of the rows a lookup finds stored nowhere: counted as
+        sightings (each occurrence in the batch) in training, none otherwise."""
+        if self.admission is None:
+            return None
+        gate = self.admission
+
+        def admit(positions: np.ndarray, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+            sightings = np.bincount(inverse, minlength=len(miss))[np.flatnonzero(miss)[positions]] if train else None
+            return gate.admit(tables, ids, sightings, self.steps)
+
+        return admit
 
     def _unique_slots(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(first, inverse, slots)`` of checked ids: the unique (table, id) pairs in order
@@ -113,8 +134,9 @@ class TableGroup:
             update_cpu(storage, self.dim, self.mode == "mean", self.optimizer, self.steps, tables, grad)
         else:
             update_torch(storage, self.optimizer, self.steps, slots, tables, grad)
-        self.tiers.device_tier.dirty[slots] = True
-        self.tiers.device_tier.changed[slots] = True
+        stored = slots if self.admission is None else slots[slots >= 0]
+        self.tiers.device_tier.dirty[stored] = True
+        self.tiers.device_tier.changed[stored] = True
 
     # -- working-set prefetch ------------------------------------------------------------------
 
@@ -144,19 +166,19 @@ class TableGroup:
     def stop_prefetch(self) -> None:
         self.working_set.stop()
 
-    # -- rows of a replica (see ReplicatedTables) ----------------------------------------------
+    # -- rows of a k-step interval (see KStepTables) ------------------------------------------
 
     def absent(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        return self.tiers.replica.absent(tables, ids)
+        return self.tiers.interval_rows.absent(tables, ids)
 
     def hold(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
-        self.tiers.replica.hold(tables, ids, rows)
+        self.tiers.interval_rows.hold(tables, ids, rows)
 
     def changed(self) -> Rows:
-        return self.tiers.replica.changed()
+        return self.tiers.interval_rows.changed()
 
     def forget(self) -> None:
-        self.tiers.replica.forget()
+        self.tiers.interval_rows.forget()
 
     # -- reads without side effects, writes, checkpoints ----------------------------------------
 
@@ -234,7 +256,7 @@ class _RowUpdate:
 
     def __init__(self, group: TableGroup, slots: np.ndarray, tables: np.ndarray) -> None:
         self.group, self.slots, self.tables = group, slots, tables
-        self.release: Callable[[], None] = group.tiers.pin(slots, holder=self)
+        self.release: Callable[[], None] = group.tiers.pin(slots[slots >= 0], holder=self)
 
     def __call__(self, grad: torch.Tensor | CpuBackward) -> None:
         try:

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import math
 import os
 import shutil
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
+from ctr_lightning.embedding.admission_config import Admission
 from ctr_lightning.embedding.initializer import init_range
+from ctr_lightning.embedding.lifecycle.sighting_sketch import DEPTH, MIN_WIDTH, PARTITIONS, min_sketch_bytes
 from ctr_lightning.embedding.kernels.sparse_update import state_width
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 from ctr_lightning.embedding.storage_config import StorageConfig
@@ -46,6 +49,10 @@ class TableSetup:
     # Per table, the uniform range ``(low, high)`` its rows start in (:func:`init_range`).
     init_range: Mapping[str, tuple[float, float]]
     module_name: str = "TieredEmbeddingBagCollection"  # named in error messages
+    # Per table, its feature admission (absent: every id gets a row).
+    admission: Mapping[str, Admission] = field(default_factory=dict)
+    # Per row-wise shard, ``(world, rank)``: which of the table's ids this process owns.
+    row_partition: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -59,6 +66,7 @@ class TableSetup:
         seed: int = 0,
         kernel: str = "auto",
         module_name: str = "TieredEmbeddingBagCollection",
+        admission: Admission | Mapping[str, Admission | None] | None = None,
     ) -> TableSetup:
         """The setup of ``tables``, or a ValueError naming the table and setting at fault."""
         names = [t.name for t in tables]
@@ -72,6 +80,7 @@ class TableSetup:
             kernel=kernel,
             init_range={t.name: init_range(t) for t in tables},
             module_name=module_name,
+            admission=_admission_per_table(admission, names),
         )
         for name, space in setup.id_space.items():
             if space not in ID_SPACES:
@@ -150,6 +159,22 @@ class TableSetup:
                    for table, s in self.storage.items()}
         return dataclasses.replace(self, storage=storage)
 
+    def unstored_rows(self, tables: Sequence[EmbeddingBagConfig]) -> dict[str, Any]:
+        """What a reader of a checkpoint alone (the serving export) needs, with the seed, to
+        recompute the rows never stored: ``{"init_ranges": {table: [low, high]}}`` of the
+        tables whose rows start in another range than torchrec's default
+        ``-+sqrt(1 / num_embeddings)``, and ``{"zero_unstored": [table, ...]}`` of those that
+        admit ids selectively (a row stored nowhere there reads zeros). Entries at their
+        defaults are not written."""
+        ranges = {t.name: list(self.init_range[t.name]) for t in tables
+                  if self.init_range[t.name] != (-math.sqrt(1 / t.num_embeddings), math.sqrt(1 / t.num_embeddings))}
+        zeros = sorted(t.name for t in tables if t.name in self.admission)
+        return {**({"init_ranges": ranges} if ranges else {}), **({"zero_unstored": zeros} if zeros else {})}
+
+    def row_wise_shard(self, world: int, rank: int, tables: Sequence[str]) -> TableSetup:
+        """The same, for rank ``rank`` of ``world`` holding the rows it owns of ``tables``."""
+        return dataclasses.replace(self, row_partition={**self.row_partition, **{t: (world, rank) for t in tables}})
+
     def in_memory(self) -> TableSetup:
         """The same, with every table held whole in the device tier."""
         return dataclasses.replace(self, storage={name: StorageConfig() for name in self.storage})
@@ -206,6 +231,29 @@ def _check_dram(dram: Mapping[str, int], owner: str) -> None:
         raise MemoryError(f"{owner}: the DRAM tiers of {len(dram)} tables are budgeted {total / 2**30:.2f} GiB "
                           f"(largest: {shares}) but this machine has {available / 2**30:.2f} GiB of memory "
                           f"available (MemAvailable); lower StorageConfig.device_bytes/host_bytes")
+
+
+def _admission_per_table(value: Admission | Mapping[str, Admission | None] | None,
+                         names: list[str]) -> dict[str, Admission]:
+    """Tables a dict leaves out, or names None, admit every id."""
+    if value is None:
+        return {}
+    if isinstance(value, Admission):
+        value = {n: value for n in names}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"admission must be an Admission or a dict of them by table, got {value!r}")
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ValueError(f"admission: unknown tables {unknown}; the tables are {names}")
+    for name, setting in value.items():
+        if setting is not None and not isinstance(setting, Admission):
+            raise TypeError(f"admission of table {name!r} must be an Admission or None, got {setting!r}")
+    settings = {n: s for n, s in value.items() if s is not None and s.filters}
+    for name, setting in settings.items():
+        if setting.counts and setting.sketch_bytes < min_sketch_bytes():
+            raise ValueError(f"table {name!r}: Admission.sketch_bytes {setting.sketch_bytes} is below the minimum "
+                             f"{min_sketch_bytes()} ({PARTITIONS} partitions x {DEPTH} rows x {MIN_WIDTH} counters)")
+    return settings
 
 
 def _per_table(value: Any, names: list[str], what: str, kind: type) -> dict[str, Any]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -17,6 +16,7 @@ from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from ctr_lightning.embedding.admission_config import Admission
 from ctr_lightning.embedding.collection_copies import claim_planned_ssd, refuse_copy
 from ctr_lightning.embedding.engine import TableEngine
 from ctr_lightning.embedding.local_tables import LocalTables
@@ -79,10 +79,10 @@ class TieredEmbeddingBagCollection(nn.Module):
             Each rank's SSD files go into ``<ssd_dir>/rank<r>``.
         process_group: the ranks to shard over; default all, in a group of their own.
         sparse_sync: when sharded, ``"step"`` (ids and pooled rows travel every step) or
-            ``"k_step"``: each rank trains a local replica of the rows its batches touch
+            ``"k_step"``: each rank trains a local copy of the rows its batches touch
             (pulling rows it lacks from their owners) and every ``sync_every`` training
             steps pushes the deltas to the owners, who average them over the ranks that
-            touched each row (see :class:`ReplicatedTables`).
+            touched each row (see :class:`KStepTables`).
         sync_every: k of ``sparse_sync="k_step"``; default: the ``k`` (and warm-up) of a
             :class:`KStepAdamStrategy` training the module, else 16.
         sync_state_dtype: how the optimizer state (Adam's moments, Adagrad's sums) of rows
@@ -95,6 +95,10 @@ class TieredEmbeddingBagCollection(nn.Module):
             first. Without one the tiers cannot be built until :meth:`plan_placement` gets one;
             under Lightning the :class:`~ctr_lightning.callbacks.AutoPlacement` callback does
             that at the start of fit (a CTRModule adds it by itself).
+        admission: which new ids get a row (:class:`Admission`: after N sightings, or with
+            a probability), for all tables or per table name (tables left out admit every
+            id). An id not admitted reads zeros and is not updated. Under ``sparse_sync="step"``
+            sharding only, row-wise or table-wise.
 
     Example::
 
@@ -129,6 +133,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         sync_every: int | None = None,
         sync_state_dtype: str = "bfloat16",
         placer: TablePlacer | None = None,
+        admission: Admission | Mapping[str, Admission | None] | None = None,
     ) -> None:
         super().__init__()
         self._feature_names = check_tables(tables, type(self).__name__)
@@ -146,7 +151,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         self._placement_inputs: tuple[int, Mapping[str, Any] | None] = (4096, None)  # batch size, access
         self.placement: PlacedTables | None = None
         self._setup = TableSetup.build(tables, None if self._auto_storage else storage, optimizer, id_space,
-                                       is_weighted, device, seed, kernel, module_name=type(self).__name__)
+                                       is_weighted, device, seed, kernel, module_name=type(self).__name__,
+                                       admission=admission)
         if isinstance(sharding, str) and sharding not in (*SHARDING_KINDS, "auto"):
             raise ValueError(f"sharding must be one of {list(SHARDING_KINDS)}, 'auto' or a dict, got {sharding!r}")
         if sparse_sync not in ("step", "k_step"):
@@ -178,17 +184,18 @@ class TieredEmbeddingBagCollection(nn.Module):
         # before fit starts, and planning then would size the tiers for the wrong device.
         # ("tables", per-table state) or ("snapshot", path, reference): data, so a copy of the module carries it.
         self._pending_load: tuple | None = None
+        self._pending_sightings: Mapping[str, Any] | None = None  # admission's counters, as the rows
         # Set when this collection or one it was copied from was copied before storage auto
         # planned its tiers: the copies' common key (see __getstate__, collection_copies).
         self._copy_lineage: str | None = None
 
     def follow_merge_schedule(self, k: int, warmup_steps: int = 0) -> None:
-        """Merge the replicas of ``sparse_sync="k_step"`` with a k-step strategy's ``k`` and
+        """Merge the local copies of ``sparse_sync="k_step"`` with a k-step strategy's ``k`` and
         warm-up, unless ``sync_every`` was given. :class:`KStepAdamStrategy` calls this at
         set-up, so a user sets k once."""
         if self._sync_every is None:
             MergeSchedule(k=k, warmup_steps=warmup_steps)  # checks them
-            # In place: a replicated engine already built holds this very schedule.
+            # In place: a k-step engine already built holds this very schedule.
             self._merge_schedule.k, self._merge_schedule.warmup_steps = k, warmup_steps
 
     def _built(self) -> TableEngine:
@@ -201,11 +208,11 @@ class TieredEmbeddingBagCollection(nn.Module):
             # Its own group, so the all-to-alls never interleave with DDP's all-reduces.
             process_group = dist.new_group()
         if process_group is not None and process_group.size() > 1:
-            from ctr_lightning.embedding.distributed import ReplicatedTables, ShardedTables
+            from ctr_lightning.embedding.distributed import KStepTables, ShardedTables
 
             plan = self._place(process_group)
             if self._sparse_sync == "k_step":
-                self._engine = ReplicatedTables(self._tables, self._setup, plan, process_group, self._merge_schedule,
+                self._engine = KStepTables(self._tables, self._setup, plan, process_group, self._merge_schedule,
                                                 state_dtype=self._sync_state_dtype)
             else:
                 self._engine = ShardedTables(self._tables, self._setup, plan, process_group)
@@ -220,16 +227,17 @@ class TieredEmbeddingBagCollection(nn.Module):
         fails, the load stays pending, so the next use raises again instead of training on
         initial rows."""
         pending, self._pending_load = self._pending_load, None
-        if pending is None:
-            return
         try:
-            if pending[0] == "snapshot":
+            if pending is not None and pending[0] == "snapshot":
                 self._snapshots.load(self._engine, pending[1], pending[2])
-            else:
+            elif pending is not None:
                 self._engine.load(pending[1])
         except BaseException:
             self._pending_load = pending
             raise
+        sightings, self._pending_sightings = self._pending_sightings, None
+        if sightings is not None:  # admission's counters, restored with the rows
+            self._engine.load_sightings({name: np.asarray(counts) for name, counts in sightings.items()})
 
     @property
     def auto_storage(self) -> AutoStorage | None:
@@ -390,13 +398,13 @@ class TieredEmbeddingBagCollection(nn.Module):
         waiting on SSD reads (``ssd_stall_us``), making room in the device tier
         (``evict_us``), and within that the SSD tier's writing, cleaning and index growth
         (``ssd_write_us``, ``ssd_clean_us``, ``index_grow_us``)."""
-        return self._built().tier_stats()
+        return self._built().counters()
 
     def storage_stats(self) -> dict[str, int]:
         """What this rank's tiers hold now: ``ssd_rows``, ``ssd_bytes`` (the files on disk),
         ``ssd_live_bytes``, ``ssd_index_bytes``, ``memory_rows`` and ``dram_bytes`` (memory
         tiers, with their bookkeeping, and the SSD index)."""
-        return self._built().storage_stats()
+        return self._built().storage()
 
     def comm_bytes(self) -> int:
         """Bytes this rank has sent to other ranks in the sharded all-to-alls (0 unsharded)."""
@@ -489,7 +497,8 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def get_extra_state(self) -> dict[str, Any]:
         if self._snapshots.root is not None:
-            return {**self._snapshots.reference(self._built), **self._init_ranges()}
+            return {**self._snapshots.reference(self._built), **self._setup.unstored_rows(self._tables),
+                    **self._sightings()}
         engine = self._built()  # first: under storage auto, only the plan says whether there is an SSD tier
         if self.gathers_ssd_rows:
             raise GatheringSsdRowsError(
@@ -504,19 +513,17 @@ class TieredEmbeddingBagCollection(nn.Module):
         # When sharded this is collective (Lightning builds checkpoints on every rank). The
         # widths go along for readers of the file alone (export: rows hold optimizer state too).
         return {"tables": engine.export(), "dims": {t.name: t.embedding_dim for t in self._tables},
-                **self._init_ranges()}
+                **self._setup.unstored_rows(self._tables), **self._sightings()}
 
-    def _init_ranges(self) -> dict[str, dict[str, list[float]]]:
-        """``{"init_ranges": {table: [low, high]}}`` of the tables whose rows start in another
-        range than torchrec's default ``-+sqrt(1 / num_embeddings)`` (none: ``{}``; fields at their
-        defaults are not written): with the seed, what a reader of the checkpoint alone (the
-        serving export) needs to recompute the rows never stored."""
-        ranges = {t.name: list(self._setup.init_range[t.name]) for t in self._tables
-                  if self._setup.init_range[t.name] != (-math.sqrt(1 / t.num_embeddings),
-                                                         math.sqrt(1 / t.num_embeddings))}
-        return {"init_ranges": ranges} if ranges else {}
+    def _sightings(self) -> dict[str, dict[str, torch.Tensor]]:
+        """``{"sightings": {table: counters}}`` of the tables admission counts for (none:
+        ``{}``): a resumed run admits what an uninterrupted one would. Collective when sharded."""
+        counts = self._built().sightings() if self._setup.admission else {}
+        return {"sightings": {name: torch.from_numpy(c) for name, c in counts.items()}} if counts else {}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
+        if "sightings" in state:
+            self._pending_sightings = state["sightings"]  # with the rows, or at once where they load now
         if "snapshot" in state:
             found = self._snapshots.to_load(state, self.snapshot_search)
             if found is None:

@@ -40,6 +40,10 @@ class DataParallelTables:
         self.tables = list(tables)
         self.process_group = process_group
         self.world = process_group.size()
+        filtered = sorted(t.name for t in self.tables if t.name in setup.admission)
+        if filtered:
+            raise ValueError(f"tables {filtered}: admission needs one owner per row (row_wise or table_wise sharding); "
+                             f"data_parallel tables are small and hot: admit every id there")
         self.local = LocalTables(self.tables, setup.in_subdirectory("replicas"))
         self.is_weighted = setup.is_weighted
         self.feature_names = self.local.feature_names

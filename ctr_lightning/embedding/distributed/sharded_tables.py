@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torchrec.distributed.dist_data import KJTAllToAll, PooledEmbeddingsAllToAll
@@ -16,7 +17,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding.counters import sum_counters
-from ctr_lightning.embedding.distributed.collectives import broadcast_from_rank0, gather_tables, owners_rows
+from ctr_lightning.embedding.distributed.collectives import broadcast_from_rank0, gather_objects, gather_tables, owners_rows
 from ctr_lightning.embedding.distributed.data_parallel import DataParallelTables
 from ctr_lightning.embedding.distributed.shard_snapshots import save_shards
 from ctr_lightning.embedding.engine import TableEngine, TableState
@@ -76,7 +77,8 @@ class ShardedTables(TableEngine):
         self.replicas = DataParallelTables(replicated, setup.for_rank(self.rank), process_group) if replicated else None
         # Row-wise shards pool by sum; a mean is taken once all partial sums are in.
         local_tables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in row_wise] + on_rank[self.rank]
-        self.local = LocalTables(local_tables, setup.for_rank(self.rank))
+        self.local = LocalTables(local_tables, setup.for_rank(self.rank).row_wise_shard(
+            self.world, self.rank, [t.name for t in row_wise]))
         index = {f: i for i, f in enumerate(self.feature_names)}
         rw_features = [index[f] for t in row_wise for f in t.feature_names]
         # Keys sent to rank r, in the order r's LocalTables expects them.
@@ -272,11 +274,22 @@ class ShardedTables(TableEngine):
             return self.replicas.local.rows(table, ids)
         return owners_rows(self.local, self.tables, table, self.owns(table, ids), ids, self.process_group)
 
-    def tier_stats(self) -> dict[str, int]:
-        return sum_counters(engine.tier_stats() for engine in self._engines())
+    def sightings(self) -> dict[str, np.ndarray]:
+        # Each rank's sketch holds its partitions (zeros elsewhere): joined by their maximum.
+        joined: dict[str, np.ndarray] = {}
+        for part in gather_objects(self.local.sightings(), self.process_group):
+            for name, counts in part.items():
+                joined[name] = counts if name not in joined else np.maximum(joined[name], counts)
+        return joined
 
-    def storage_stats(self) -> dict[str, int]:
-        return sum_counters(engine.storage_stats() for engine in self._engines())
+    def load_sightings(self, state: Mapping[str, np.ndarray]) -> None:
+        self.local.load_sightings(state)
+
+    def counters(self) -> dict[str, int]:
+        return sum_counters(engine.counters() for engine in self._engines())
+
+    def storage(self) -> dict[str, int]:
+        return sum_counters(engine.storage() for engine in self._engines())
 
     def export(self) -> dict[str, TableState]:
         """Collective: every rank gets the rows of all shards, per table (rank 0's replicas)."""

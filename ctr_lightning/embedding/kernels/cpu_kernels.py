@@ -42,13 +42,16 @@ def pool_forward(storage, dim, slots, inverse, offsets, weights, mean, batch, ou
             for f in range(features):
                 k = f * batch + b + 1
                 for i in range(offsets[k], offsets[k + 1]):
-                    hint_span(storage, slots[inverse[i]], 0, dim)
+                    if slots[inverse[i]] >= 0:
+                        hint_span(storage, slots[inverse[i]], 0, dim)
         for f in range(features):
             k = f * batch + b
             acc = out[b, f * dim : (f + 1) * dim]
             acc[:] = 0.0
             start, end = offsets[k], offsets[k + 1]
             for i in range(start, end):
+                if slots[inverse[i]] < 0:
+                    continue  # a row not admitted: zeros
                 row = storage[slots[inverse[i]], :dim]
                 w = weights[i] if has_weights else np.float32(1.0)
                 for d in range(dim):
@@ -102,8 +105,10 @@ def backward_update(storage, dim, slots, row_ptr, positions, bag, offsets, weigh
         g = np.empty(dim, dtype=np.float32)
         last = min(rows, (chunk + 1) * _CHUNK)
         for u in range(chunk * _CHUNK, last):
+            if slots[u] < 0:
+                continue  # a row not admitted: no update
             ahead = u + _AHEAD
-            if ahead < last:
+            if ahead < last and slots[ahead] >= 0:
                 hint_span(storage, slots[ahead], 0, width)
                 for j in range(row_ptr[ahead], row_ptr[ahead + 1]):
                     k = bag[positions[j]]

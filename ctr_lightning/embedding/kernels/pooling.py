@@ -24,8 +24,9 @@ from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 class BagLayout:
     """One batch of one table group: its unique rows and how they fill the bags.
 
-    ``slots[inverse]`` is the device-tier slot of each id; bags are feature-major
-    (``offsets`` has ``features * batch + 1`` entries).
+    ``slots[inverse]`` is the device-tier slot of each id (-1: a row not admitted, read
+    as zeros and not updated); bags are feature-major (``offsets`` has
+    ``features * batch + 1`` entries).
     """
 
     slots: np.ndarray
@@ -66,7 +67,10 @@ def pool_torch(storage: torch.Tensor, dim: int, mode: str, layout: BagLayout,
     """The same with torch ops on the storage's device; backward hands the ``[unique rows,
     dim]`` gradient to ``on_grad``."""
     device = storage.device
-    gathered = storage[:, :dim].index_select(0, torch.from_numpy(layout.slots).to(device))
+    slots = torch.from_numpy(layout.slots).to(device)
+    gathered = storage[:, :dim].index_select(0, slots.clamp(min=0))
+    if bool((slots < 0).any()):
+        gathered[slots < 0] = 0.0
     inverse = torch.from_numpy(layout.inverse).to(device)
     offsets = layout.offsets.to(device)
     weights = None if layout.weights is None else layout.weights.to(device, torch.float32)
@@ -102,6 +106,9 @@ def update_torch(storage: torch.Tensor, optimizer: SparseOptimizer, steps: np.nd
     """The optimizer step with torch ops, on the storage's device (not necessarily the
     gradient's)."""
     device = storage.device
+    if (slots < 0).any():  # rows not admitted take no step
+        keep = np.flatnonzero(slots >= 0)
+        slots, tables, grad = slots[keep], tables[keep], grad[torch.from_numpy(keep).to(grad.device)]
     index = torch.from_numpy(slots).to(device)
     rows = storage.index_select(0, index)
     step = torch.from_numpy(steps[tables]).to(device)

@@ -42,7 +42,7 @@ class WorkingSet:
         self._registered: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._dedup: dict[int, tuple[np.ndarray, ...]] = {}
         self.current_batch: int | None = None  # the batch running now; None when not reading ahead
-        self.stats = {"prefetch_hits": 0, "prefetched_rows": 0, "prefetch_bytes": 0, "prefetch_failures": 0,
+        self.counters = {"prefetch_hits": 0, "prefetched_rows": 0, "prefetch_bytes": 0, "prefetch_failures": 0,
                       "prefetch_stale": 0}
 
     # -- training thread ---------------------------------------------------------------------
@@ -77,8 +77,8 @@ class WorkingSet:
              ssd: SsdLog | DirectSsdStore) -> tuple[np.ndarray, torch.Tensor, np.ndarray]:
         """``(found, rows, locations)`` of these rows read ahead whose SSD copy is still current."""
         found, rows, locations, stale = self.staged.take(tables, ids, ssd.tokens)
-        self.stats["prefetch_stale"] += stale
-        self.stats["prefetch_hits"] += int(found.sum())
+        self.counters["prefetch_stale"] += stale
+        self.counters["prefetch_hits"] += int(found.sum())
         return found, rows, locations
 
     def release(self, batch: int) -> None:
@@ -124,11 +124,11 @@ class WorkingSet:
             there = np.flatnonzero(locations >= 0)
             ok, rows = ssd.read_located(tables[there], ids[there], locations[there], pinned)
         except OSError:
-            self.stats["prefetch_failures"] += 1  # those rows come on demand
+            self.counters["prefetch_failures"] += 1  # those rows come on demand
             return
         finally:
             ssd.release(pinned)
         there = there[ok]
         self.staged.put(StagedChunk(batch, tables[there], ids[there], tokens[there], locations[there], rows))
-        self.stats["prefetched_rows"] += len(rows)
-        self.stats["prefetch_bytes"] += rows.nbytes
+        self.counters["prefetched_rows"] += len(rows)
+        self.counters["prefetch_bytes"] += rows.nbytes

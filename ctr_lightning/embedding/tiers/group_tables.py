@@ -33,6 +33,9 @@ class GroupTables:
         self.bounded = np.array([setup.id_space[t.name] == "bounded" for t in tables], dtype=bool)
         # Per table, the half width and middle of the uniform range its rows start in.
         self.init_bounds, self.init_centers = range_bounds(*np.array([setup.init_range[t.name] for t in tables]).T)
+        # Per table, whether it admits ids selectively: there a row stored nowhere was never
+        # admitted, and reads zeros.
+        self.admits = np.array([t.name in setup.admission for t in tables], dtype=bool)
 
     def check_ids(self, tables: np.ndarray, ids: np.ndarray) -> None:
         """An error naming the table and id of the first id its table cannot hold."""
@@ -50,6 +53,14 @@ class GroupTables:
         """The initial weights ``[n, dim]`` of these rows."""
         return initial_rows(self.seed, self.table_keys[tables], ids, self.dim, self.init_bounds[tables],
                             self.init_centers[tables])
+
+    def unstored(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """The weights ``[n, dim]`` rows stored nowhere read: their initial ones, zeros in
+        tables that admit ids selectively."""
+        weights = self.initial(tables, ids)
+        if self.admits.any():
+            weights[self.admits[tables]] = 0.0
+        return weights
 
     def initialize(self, values: torch.Tensor, slots: np.ndarray, tables: np.ndarray, ids: np.ndarray) -> None:
         """``values[slots]`` := initial weights and zero optimizer state, in place."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,6 +18,10 @@ from ctr_lightning.embedding.tiers.ssd_writer import SsdWriter
 
 if TYPE_CHECKING:
     from ctr_lightning.embedding.prefetch.working_set import WorkingSet
+
+# admit(positions, tables, ids): which rows stored nowhere (at these positions of a fetch)
+# get a row now; the others get slot -1 (they read zeros and are not updated).
+Admit = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
 
 class MissPath:
@@ -39,12 +44,14 @@ class MissPath:
         self.device_tier, self.host_tier, self.ssd = device_tier, host_tier, ssd
         self.writer = writer
         self.pins = ForwardPins()
-        self.stats = {"device_hits": 0, "host_hits": 0, "ssd_hits": 0, "new_rows": 0, "ssd_stall_us": 0}
+        self.counters = {"device_hits": 0, "host_hits": 0, "ssd_hits": 0, "new_rows": 0, "ssd_stall_us": 0}
         self.evict_us = 0  # microseconds spent making room in the device tier
 
     def fetch(self, tables: np.ndarray, ids: np.ndarray, pinned: np.ndarray,
-              working_set: WorkingSet | None = None) -> np.ndarray:
-        """Bring rows absent from the device tier into it; returns their slots.
+              working_set: WorkingSet | None = None, admit: Admit | None = None) -> np.ndarray:
+        """Bring rows absent from the device tier into it; returns their slots. Rows stored
+        nowhere start from the initializer where ``admit`` (None: all) takes them, and get
+        slot -1 where it does not.
 
         Room is made by evicting rows that are neither ``pinned`` nor pinned by a training
         forward (:class:`ForwardPins`), and, with an active ``working_set``, rows an upcoming
@@ -56,8 +63,12 @@ class MissPath:
         self.writer.check_usable()
         reading_ahead = working_set is not None and working_set.current_batch is not None
         rows, locations, filled = self._gather(tables, ids, working_set if reading_ahead else None)
+        placed = np.ones(len(ids), dtype=bool)  # rows that get a slot: all but those admission turns away
+        if admit is not None and not filled.all():
+            new = np.flatnonzero(~filled)
+            placed[new[~admit(new, tables[new], ids[new])]] = False
         start = time.perf_counter()
-        need = self.device_tier.room_needed(tables)
+        need = self.device_tier.room_needed(tables[placed])
         victim_slots, victims = self._choose_victims(need, pinned, working_set.current_batch if reading_ahead else None)
         self._demote(victims.select(victims.dirty))
         self.device_tier.release(victim_slots)
@@ -66,17 +77,18 @@ class MissPath:
         if filled.all():
             slots = self.device_tier.insert(Rows(tables, ids, rows, clean, locations))
         else:
-            slots = np.empty(len(ids), dtype=np.int64)
-            old, new = np.flatnonzero(filled), np.flatnonzero(~filled)
+            slots = np.full(len(ids), -1, dtype=np.int64)
+            old, new = np.flatnonzero(filled), np.flatnonzero(~filled & placed)
             if len(old):
                 slots[old] = self.device_tier.insert(Rows(tables[old], ids[old], rows[torch.from_numpy(old)], clean[old],
                                                           locations[old]))
-            # Rows never stored anywhere start from the initializer, written in place.
-            slots[new] = self.device_tier.place(tables[new], ids[new], clean[new], absent=True)
-            self.tables.initialize(self.device_tier.values, slots[new], tables[new], ids[new])
-            self.stats["new_rows"] += len(new)
+            if len(new):  # rows never stored anywhere start from the initializer, written in place
+                slots[new] = self.device_tier.place(tables[new], ids[new], clean[new], absent=True)
+                self.tables.initialize(self.device_tier.values, slots[new], tables[new], ids[new])
+                self.counters["new_rows"] += len(new)
         if reading_ahead:
-            working_set.arrived(self.device_tier, tables, ids, slots)
+            stored = slots >= 0
+            working_set.arrived(self.device_tier, tables[stored], ids[stored], slots[stored])
         return slots
 
     def _gather(self, tables: np.ndarray, ids: np.ndarray,
@@ -93,7 +105,7 @@ class MissPath:
                 rows[torch.from_numpy(np.flatnonzero(hit))] = self.host_tier.values[torch.from_numpy(hslots[hit])]
                 locations[hit] = self.host_tier.ssd_location[hslots[hit]]
                 filled |= hit
-                self.stats["host_hits"] += int(hit.sum())
+                self.counters["host_hits"] += int(hit.sum())
         if self.ssd is not None and not filled.all():
             rest = np.flatnonzero(~filled)
             if working_set is not None:
@@ -105,12 +117,12 @@ class MissPath:
                     rest = rest[~found]
             start = time.perf_counter()
             found, data, where = self.ssd.read(tables[rest], ids[rest])
-            self.stats["ssd_stall_us"] += int((time.perf_counter() - start) * 1e6)
+            self.counters["ssd_stall_us"] += int((time.perf_counter() - start) * 1e6)
             if found.any():
                 rows[torch.from_numpy(rest[found])] = torch.from_numpy(data)
                 locations[rest[found]] = where
                 filled[rest[found]] = True
-                self.stats["ssd_hits"] += int(found.sum())
+                self.counters["ssd_hits"] += int(found.sum())
         return rows, locations, filled
 
     def _choose_victims(self, need: np.ndarray, pinned: np.ndarray,

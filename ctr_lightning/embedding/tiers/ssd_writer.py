@@ -68,7 +68,7 @@ class SsdWriter:
         locations, moved = self.ssd.write(rows.tables, rows.ids, rows.values.cpu().numpy(), rows.locations)
         # The device tier may hold a copy of a row the host tier wrote (the tiers are
         # inclusive): that copy's SSD record is the new one now.
-        return Relocated.merged([Relocated(rows.tables, rows.ids, locations), moved])
+        return Relocated.latest([Relocated(rows.tables, rows.ids, locations), moved])
 
     def wait_for_write(self) -> None:
         """Wait until the SSD write under way is done (any thread; its moves reach the

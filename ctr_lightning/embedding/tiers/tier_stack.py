@@ -11,8 +11,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from ctr_lightning.embedding.table_setup import TableSetup, has_host_tier
 from ctr_lightning.embedding.tiers.group_tables import GroupTables
-from ctr_lightning.embedding.tiers.miss_path import MissPath
-from ctr_lightning.embedding.tiers.replica_rows import ReplicaRows
+from ctr_lightning.embedding.tiers.miss_path import Admit, MissPath
+from ctr_lightning.embedding.tiers.interval_rows import IntervalRows
 from ctr_lightning.embedding.tiers.row_cache import RowCache
 from ctr_lightning.embedding.tiers.row_export import RowExport
 from ctr_lightning.embedding.tiers.row_load import RowLoad
@@ -37,7 +37,7 @@ class TierStack:
     since the tier below (or the initializer) already has them. Rows leave DRAM for SSD
     in :class:`SsdWriter`, in a thread. The stack builds the tiers and hands its other
     jobs to one collaborator each: :class:`RowExport` (every row, for snapshots),
-    :class:`RowLoad` (every row replaced), :class:`ReplicaRows` (k-step replicas).
+    :class:`RowLoad` (every row replaced), :class:`IntervalRows` (a k-step interval's local copy).
 
     Example::
 
@@ -66,7 +66,7 @@ class TierStack:
         memory = [tier for tier in (self.device_tier, self.host_tier) if tier is not None]
         self.writer = SsdWriter(self.ssd, self.names, memory)
         self.misses = MissPath(self.tables, self.device_tier, self.host_tier, self.ssd, self.writer)
-        self.replica = ReplicaRows(self.device_tier)
+        self.interval_rows = IntervalRows(self.device_tier)
         self._export = RowExport(self.device_tier, self.host_tier, self.ssd, self.writer, self.width)
         self._load = RowLoad(self.tables, self.device_tier, self.host_tier, self.ssd, self.writer)
 
@@ -87,33 +87,31 @@ class TierStack:
         """Per table, whether its ids are bounded (``0 <= id < num_embeddings``)."""
         return self.tables.bounded
 
-    @property
-    def stats(self) -> dict[str, int]:
-        """Rows found in each tier, rows new, microseconds waited on SSD reads (the dict
-        itself: the caller counts device hits into it)."""
-        return self.misses.stats
+    def count_device_hits(self, hits: int) -> None:
+        self.misses.counters["device_hits"] += hits
 
     def counters(self) -> dict[str, int]:
-        """Microseconds spent making room in the device tier (choosing victims, handing
-        them down), waiting for the SSD writes under way, and the SSD tier's own
+        """Cumulative: rows found in each tier, rows new, microseconds waited on SSD reads,
+        spent making room in the device tier (choosing victims, handing them down) and
+        waiting for the SSD writes under way, and the SSD tier's own
         :meth:`SsdTier.counters` (its writes run in a thread)."""
         ssd = self.ssd.counters() if self.ssd is not None else NO_SSD_COUNTERS
-        return {"evict_us": self.misses.evict_us, "ssd_wait_us": self.writer.wait_us, **ssd}
+        return {**self.misses.counters, "evict_us": self.misses.evict_us, "ssd_wait_us": self.writer.wait_us, **ssd}
 
-    def storage_stats(self) -> dict[str, int]:
+    def storage(self) -> dict[str, int]:
         """What the tiers hold now: rows and bytes on SSD (on disk and live), the SSD index's
         bytes, and the bytes of the memory tiers (device tier counted when in host memory)."""
         self.drain()
-        stats = {"ssd_rows": 0, "ssd_bytes": 0, "ssd_live_bytes": 0, "ssd_index_bytes": 0,
+        held = {"ssd_rows": 0, "ssd_bytes": 0, "ssd_live_bytes": 0, "ssd_index_bytes": 0,
                  "memory_rows": len(self.device_tier) + (len(self.host_tier) if self.host_tier is not None else 0),
                  "dram_bytes": self.host_tier.nbytes if self.host_tier is not None else 0}
         if self.device_tier.device.type == "cpu":
-            stats["dram_bytes"] += self.device_tier.nbytes
+            held["dram_bytes"] += self.device_tier.nbytes
         if self.ssd is not None:
-            stats.update(ssd_rows=len(self.ssd), ssd_bytes=self.ssd.disk_bytes, ssd_live_bytes=self.ssd.live_bytes,
+            held.update(ssd_rows=len(self.ssd), ssd_bytes=self.ssd.disk_bytes, ssd_live_bytes=self.ssd.live_bytes,
                          ssd_index_bytes=self.ssd.index_bytes)
-            stats["dram_bytes"] += self.ssd.index_bytes
-        return stats
+            held["dram_bytes"] += self.ssd.index_bytes
+        return held
 
     def check_ids(self, tables: np.ndarray, ids: np.ndarray) -> None:
         """An error naming the table and id of the first id its table cannot hold."""
@@ -130,10 +128,10 @@ class TierStack:
         return self.misses.pins.pin(slots, holder)
 
     def fetch(self, tables: np.ndarray, ids: np.ndarray, pinned: np.ndarray,
-              working_set: WorkingSet | None = None) -> np.ndarray:
+              working_set: WorkingSet | None = None, admit: Admit | None = None) -> np.ndarray:
         """Bring rows absent from the device tier into it; returns their slots (see
-        :meth:`MissPath.fetch`)."""
-        return self.misses.fetch(tables, ids, pinned, working_set)
+        :meth:`MissPath.fetch`; -1: a row stored nowhere that ``admit`` turned away)."""
+        return self.misses.fetch(tables, ids, pinned, working_set, admit)
 
     def wait_for_write(self) -> None:
         """Wait until the SSD write under way is done (any thread)."""
@@ -151,7 +149,7 @@ class TierStack:
         self.check_ids(tables, ids)
         self.drain()
         out = torch.zeros(len(ids), self.width)
-        out[:, : self.tables.dim] = torch.from_numpy(self.tables.initial(tables, ids))
+        out[:, : self.tables.dim] = torch.from_numpy(self.tables.unstored(tables, ids))
         todo = np.ones(len(ids), dtype=bool)
         for tier in (self.device_tier, self.host_tier):
             if tier is None:

@@ -71,4 +71,4 @@ class LogCleaner:
                 self.cleaning = None
             else:
                 self.cleaning = (number, slot + take)
-        return Relocated.merged(moved)
+        return Relocated.latest(moved)

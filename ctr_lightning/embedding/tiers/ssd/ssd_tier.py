@@ -39,7 +39,7 @@ class Relocated:
     locations: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
     @staticmethod
-    def merged(parts: list[Relocated]) -> Relocated:
+    def latest(parts: list[Relocated]) -> Relocated:
         """One entry a row, its latest location (later parts win)."""
         parts = [p for p in parts if len(p.ids)]
         if len(parts) <= 1:

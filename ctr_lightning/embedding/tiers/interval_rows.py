@@ -1,4 +1,4 @@
-"""The device tier as a replica of rows another rank owns (k-step replicated tables)."""
+"""The device tier as one k-step interval's copy of rows other ranks own (KStepTables)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ import torch
 from ctr_lightning.embedding.tiers.row_cache import RowCache, Rows
 
 
-class ReplicaRows:
-    """Rows held in memory only, between two merges of a replica: fetched from their owner
+class IntervalRows:
+    """Rows held in memory only, between two k-step merges: fetched from their owner
     (:meth:`hold`), trained locally, sent back (:meth:`changed`) and dropped (:meth:`forget`).
     They never go down to the host tier or SSD: they arrive clean, so eviction drops them.
 
     Example::
 
-        replica = ReplicaRows(device_tier)
-        missing = replica.absent(tables, ids)
-        replica.hold(tables[missing], ids[missing], rows_from_owner)
-        updates = replica.changed()   # at the merge
-        replica.forget()
+        interval = IntervalRows(device_tier)
+        missing = interval.absent(tables, ids)
+        interval.hold(tables[missing], ids[missing], rows_from_owner)
+        updates = interval.changed()   # at the merge
+        interval.forget()
     """
 
     def __init__(self, device_tier: RowCache) -> None:
@@ -30,7 +30,7 @@ class ReplicaRows:
         return self.device_tier.lookup(tables, ids) < 0
 
     def hold(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor) -> None:
-        """Put rows into the device tier as clean copies (a replica of rows owned elsewhere)."""
+        """Put rows into the device tier as clean copies (of rows owned elsewhere)."""
         self.device_tier.insert(Rows(tables, ids, rows, np.zeros(len(ids), dtype=bool)))
 
     def changed(self) -> Rows:
@@ -39,5 +39,5 @@ class ReplicaRows:
         return entries.select(entries.dirty)
 
     def forget(self) -> None:
-        """Drop every row of the device tier (a replica between intervals)."""
+        """Drop every row of the device tier (between intervals)."""
         self.device_tier.clear()

@@ -1,5 +1,5 @@
-"""Sparse k-step sync: ranks train local replicas of the rows they touch; every k steps the
-owners average the replicas' deltas (the paper's pull / push per pass)."""
+"""Sparse k-step sync: ranks train local copies of the rows they touch; every k steps the
+owners average the copies' deltas (the paper's pull / push per pass)."""
 
 from __future__ import annotations
 
@@ -29,16 +29,16 @@ from ctr_lightning.embedding.tiers.key_index import KeyIndex, dedup
 from ctr_lightning.merge_schedule import MergeSchedule
 
 
-class ReplicatedTables(TableEngine):
-    """Owner shards plus a per-rank replica of the rows this rank's batches touch.
+class KStepTables(TableEngine):
+    """Owner shards plus a per-rank local copy of the rows this rank's batches touch.
 
-    Each step, rows the replica lacks are pulled from their owners (ids out, rows with
+    Each step, rows the local copy lacks are pulled from their owners (ids out, rows with
     optimizer state back: one all-to-all of each; the optimizer state travels in
     ``state_dtype``, weights in float32). Forward and backward then run on the
-    replica alone, with the fused optimizer; no pooled embeddings or gradients travel.
+    local copy alone, with the fused optimizer; no pooled embeddings or gradients travel.
     When ``schedule`` says (every ``k`` training steps, after any synchronous warm-up
     steps) each rank pushes the deltas of the rows it changed to their owners, each owner
-    adds the mean delta of the ranks that touched a row, and the replicas are emptied, so
+    adds the mean delta of the ranks that touched a row, and the local copies are emptied, so
     the next steps pull fresh rows. An evaluation forward first merges whatever steps are
     pending (collective, as evaluation forwards are), so every rank evaluates the merged rows.
 
@@ -46,17 +46,20 @@ class ReplicatedTables(TableEngine):
 
     Example::
 
-        tables = ReplicatedTables(configs, setup, plan, process_group, MergeSchedule(k=16))
+        tables = KStepTables(configs, setup, plan, process_group, MergeSchedule(k=16))
         pooled = tables.forward(local_kjt, train=True)
     """
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], setup: TableSetup, plan: Mapping[str, TableSharding],
                  process_group: dist.ProcessGroup, schedule: MergeSchedule,
                  state_dtype: torch.dtype = torch.bfloat16) -> None:
-        replicas = sorted(name for name, sharding in plan.items() if sharding.kind == "data_parallel")
-        if replicas:
-            raise ValueError(f"tables {replicas}: data_parallel sharding needs sparse_sync='step'; under 'k_step' "
-                             f"every rank trains a replica of the rows it touches already")
+        data_parallel = sorted(name for name, sharding in plan.items() if sharding.kind == "data_parallel")
+        if data_parallel:
+            raise ValueError(f"tables {data_parallel}: data_parallel sharding needs sparse_sync='step'; under 'k_step' "
+                             f"every rank trains a local copy of the rows it touches already")
+        if setup.admission:
+            raise ValueError(f"tables {sorted(setup.admission)}: admission is not supported under "
+                             f"sparse_sync='k_step' yet; use sparse_sync='step'")
         self.tables = list(tables)
         self.plan = dict(plan)
         self.process_group = process_group
@@ -66,22 +69,22 @@ class ReplicatedTables(TableEngine):
         self._merge_due = False
         owned = [t for t in tables if plan[t.name].kind == "row_wise" or plan[t.name].owner == self.rank]
         self.shard = LocalTables(owned, setup.for_rank(self.rank))
-        # The replica holds one interval's working set, in memory.
-        self.replica = LocalTables(tables, setup.in_memory())
+        # The local copy holds one interval's working set, in memory.
+        self.local_copy = LocalTables(tables, setup.in_memory())
         index = {t.name: i for i, t in enumerate(tables)}
-        self.replica_globals = [np.array([index[n] for n in g.names], dtype=np.int64) for g in self.replica.groups]
+        self.copy_globals = [np.array([index[n] for n in g.names], dtype=np.int64) for g in self.local_copy.groups]
         self.is_row_wise = np.array([plan[t.name].kind == "row_wise" for t in tables])
         self.table_owner = np.array([plan[t.name].owner for t in tables], dtype=np.int64)
         n = len(tables)
         self.width = np.zeros(n, dtype=np.int64)
         self.dim = np.array([t.embedding_dim for t in tables], dtype=np.int64)
         self.state_dtype = state_dtype
-        self.replica_group_of = np.zeros(n, dtype=np.int64)
-        self.replica_local_of = np.zeros(n, dtype=np.int64)
-        for g, (group_, globals_) in enumerate(zip(self.replica.groups, self.replica_globals)):
+        self.copy_group_of = np.zeros(n, dtype=np.int64)
+        self.copy_local_of = np.zeros(n, dtype=np.int64)
+        for g, (group_, globals_) in enumerate(zip(self.local_copy.groups, self.copy_globals)):
             self.width[globals_] = group_.width
-            self.replica_group_of[globals_] = g
-            self.replica_local_of[globals_] = np.arange(len(globals_))
+            self.copy_group_of[globals_] = g
+            self.copy_local_of[globals_] = np.arange(len(globals_))
         # Float32 words a row takes on the wire (optimizer state packed two to a word in bfloat16).
         self.wire_width = np.array([_wire_width(int(w), int(d), state_dtype) for w, d in zip(self.width, self.dim)],
                                    dtype=np.int64)
@@ -89,7 +92,7 @@ class ReplicatedTables(TableEngine):
         self.shard_local_of = np.full(n, -1, dtype=np.int64)
         for name, (g, local) in self.shard.table_of_name.items():
             self.shard_group_of[index[name]], self.shard_local_of[index[name]] = g, local
-        self._bases: list[list[tuple[np.ndarray, np.ndarray, torch.Tensor]]] = [[] for _ in self.replica.groups]
+        self._bases: list[list[tuple[np.ndarray, np.ndarray, torch.Tensor]]] = [[] for _ in self.local_copy.groups]
         self.merges = 0
         self._exchange = UnevenAllToAll(process_group)
 
@@ -103,7 +106,7 @@ class ReplicatedTables(TableEngine):
     # -- one step --------------------------------------------------------------------------
 
     def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
-        parts = self.replica.split(features)
+        parts = self.local_copy.split(features)
         if train:
             # The merge after a step runs when the next training step starts: its backward is done.
             if self._merge_due:
@@ -121,29 +124,29 @@ class ReplicatedTables(TableEngine):
                     # unmerged rows would score its share of the rows with a model nobody trains.
                     self.merge()
                 self._pull(parts)
-        return self.replica.forward(features, train, parts)
+        return self.local_copy.forward(features, train, parts)
 
     def skip_nonfinite_updates(self, skip: bool) -> None:
-        # Only the replica trains in backward, on this rank's batches: it skips on this
+        # Only the local copy trains in backward, on this rank's batches: it skips on this
         # rank's gradient.
-        self.replica.skip_nonfinite_updates(skip)
+        self.local_copy.skip_nonfinite_updates(skip)
 
     def _owner(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
         by_hash = row_owner(torch.from_numpy(ids), self.world).numpy()
         return np.where(self.is_row_wise[tables], by_hash, self.table_owner[tables])
 
     def _pull(self, parts: list[tuple[np.ndarray, np.ndarray, Any, Any]]) -> None:
-        """Bring the rows of this batch (``LocalTables.split``) that the replica lacks from their owners."""
+        """Bring the rows of this batch (``LocalTables.split``) that the local copy lacks from their owners."""
         wanted_tables, wanted_ids = [], []
-        for g, (group, (tables, ids, _, _)) in enumerate(zip(self.replica.groups, parts)):
+        for g, (group, (tables, ids, _, _)) in enumerate(zip(self.local_copy.groups, parts)):
             first, _ = group.dedup_ahead(tables, ids)
             t, i = tables[first], ids[first]
             missing = group.absent(t, i)
-            wanted_tables.append(self.replica_globals[g][t[missing]])
+            wanted_tables.append(self.copy_globals[g][t[missing]])
             wanted_ids.append(i[missing])
         tables, ids = np.concatenate(wanted_tables), np.concatenate(wanted_ids)
         dest = self._owner(tables, ids)
-        order = np.argsort(dest, kind="stable")  # by owner, then by replica group as listed
+        order = np.argsort(dest, kind="stable")  # by owner, then by group as listed
         tables, ids, dest = tables[order], ids[order], dest[order]
         counts = np.bincount(dest, minlength=self.world)
         asked = self._exchange(torch.from_numpy(np.stack([tables, ids], axis=1)), counts.tolist())
@@ -174,13 +177,13 @@ class ReplicatedTables(TableEngine):
         for r in range(self.world):
             flat, offset = received[r], 0
             t_r, i_r = tables[starts[r] : starts[r + 1]], ids[starts[r] : starts[r + 1]]
-            for start, end in _runs(self.replica_group_of[t_r]):
-                g = int(self.replica_group_of[t_r[start]])
-                group = self.replica.groups[g]
+            for start, end in _runs(self.copy_group_of[t_r]):
+                g = int(self.copy_group_of[t_r[start]])
+                group = self.local_copy.groups[g]
                 size = (end - start) * int(self.wire_width[t_r[start]])
                 rows = self._unpack(flat[offset : offset + size], end - start, int(t_r[start]))
                 offset += size
-                local = self.replica_local_of[t_r[start:end]]
+                local = self.copy_local_of[t_r[start:end]]
                 group.hold(local, i_r[start:end], rows)
                 self._bases[g].append((local, i_r[start:end], rows.clone()))
 
@@ -188,10 +191,10 @@ class ReplicatedTables(TableEngine):
 
     def merge(self) -> None:
         """Collective: push the deltas of changed rows to their owners, who add each row's
-        mean delta over the ranks that changed it; then empty the replicas."""
+        mean delta over the ranks that changed it; then empty the local copies."""
         keys: list[list[np.ndarray]] = [[] for _ in range(self.world)]
         flats: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
-        for g, group in enumerate(self.replica.groups):
+        for g, group in enumerate(self.local_copy.groups):
             changed = group.changed()
             if not len(changed):
                 continue
@@ -202,10 +205,10 @@ class ReplicatedTables(TableEngine):
             base_rows = torch.cat([b[2] for b in self._bases[g]])
             position = torch.from_numpy(base_index.lookup(changed.tables, changed.ids))
             delta = changed.values.cpu() - base_rows[position]
-            tables = self.replica_globals[g][changed.tables]
+            tables = self.copy_globals[g][changed.tables]
             dest = self._owner(tables, changed.ids)
             packed = self._pack(delta, int(self.dim[tables[0]]))
-            for r in range(self.world):  # each destination gets one block per replica group
+            for r in range(self.world):  # each destination gets one block per group
                 mine = dest == r
                 if mine.any():
                     keys[r].append(np.stack([tables[mine], changed.ids[mine]], axis=1))
@@ -216,11 +219,11 @@ class ReplicatedTables(TableEngine):
         expected = [int(self.wire_width[k[:, 0].numpy()].sum()) for k in got_keys]
         got_flat = self._exchange(torch.cat(sent_flat), [f.numel() for f in sent_flat], expected)
         self._apply_deltas(got_keys, got_flat)
-        for g, group in enumerate(self.replica.groups):
+        for g, group in enumerate(self.local_copy.groups):
             group.forget()
             self._bases[g] = []
         self._merge_due = False
-        self.schedule.merged()  # unscheduled merges (evaluation, checkpoints) do not move the schedule
+        self.schedule.note_merge()  # unscheduled merges (evaluation, checkpoints) do not move the schedule
         self.merges += 1
 
     def _apply_deltas(self, got_keys: list[torch.Tensor], got_flat: list[torch.Tensor]) -> None:
@@ -228,11 +231,11 @@ class ReplicatedTables(TableEngine):
         for keys, flat in zip(got_keys, got_flat):
             keys = keys.numpy()
             offset = 0
-            for start, end in _runs(self.replica_group_of[keys[:, 0]]):
+            for start, end in _runs(self.copy_group_of[keys[:, 0]]):
                 size = (end - start) * int(self.wire_width[keys[start, 0]])
                 rows = self._unpack(flat[offset : offset + size], end - start, int(keys[start, 0]))
                 offset += size
-                g = int(self.replica_group_of[keys[start, 0]])
+                g = int(self.copy_group_of[keys[start, 0]])
                 per_group.setdefault(g, []).append((keys[start:end, 0], keys[start:end, 1], rows))
         for parts in per_group.values():
             tables = np.concatenate([p[0] for p in parts])
@@ -259,61 +262,60 @@ class ReplicatedTables(TableEngine):
         self.merge()
         return owners_rows(self.shard, self.tables, table, self.owns(table, ids), ids, self.process_group)
 
-    def tier_stats(self) -> dict[str, int]:
-        return self.shard.tier_stats()
+    def counters(self) -> dict[str, int]:
+        return self.shard.counters()
 
-    def storage_stats(self) -> dict[str, int]:
-        replica = self.replica.storage_stats()
-        stats = self.shard.storage_stats()
-        stats["dram_bytes"] += replica["dram_bytes"]
-        return stats
+    def storage(self) -> dict[str, int]:
+        held = self.shard.storage()
+        held["dram_bytes"] += self.local_copy.storage()["dram_bytes"]
+        return held
 
     def export(self) -> dict[str, TableState]:
         """Collective: merges, then every rank gets the rows of all shards, per table."""
         self.merge()
         state = gather_tables(self.shard.export(), self.tables, self.process_group)
-        steps = {name: s["steps"] for name, s in self.replica.export().items()}
+        steps = {name: s["steps"] for name, s in self.local_copy.export().items()}
         for name in state:
             state[name]["steps"] = steps[name]
         return state
 
     def load(self, state: Mapping[str, Mapping[str, Any]]) -> None:
         self.shard.load(state, keep=self.owns)
-        self._reset_replicas({name: int(s["steps"]) for name, s in state.items()})
+        self._reset_local_copy({name: int(s["steps"]) for name, s in state.items()})
 
     def save_snapshot(self, directory: str | os.PathLike, parent: SnapshotRef | None = None) -> SnapshotManifest:
         """Collective: merges, then each rank streams its owner shard to its own files (the
-        step counts are the replicas', which count every training step)."""
+        step counts are the local copies', which count every training step)."""
         self.merge()
-        steps = {name: int(group.steps[local]) for group in self.replica.groups
+        steps = {name: int(group.steps[local]) for group in self.local_copy.groups
                  for local, name in enumerate(group.names)}
         return save_shards(self.shard, directory, self.process_group, self.plan, steps=steps, parent=parent)
 
     def load_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
         manifest = self.shard.load_snapshot(directory, keep=self.owns)
-        self._reset_replicas(manifest.steps)
+        self._reset_local_copy(manifest.steps)
         return manifest
 
     def from_rank0(self, value: Any) -> Any:
         return broadcast_from_rank0(value, self.process_group)
 
-    def _reset_replicas(self, steps: Mapping[str, int]) -> None:
-        """After a load: no replica rows, no pending deltas, the loaded step counts, and the
+    def _reset_local_copy(self, steps: Mapping[str, int]) -> None:
+        """After a load: no rows in the local copy, no pending deltas, the loaded step counts, and the
         merge schedule where they left it (a resumed run neither repeats its warm-up nor
         shifts its merges)."""
-        for group in self.replica.groups:
+        for group in self.local_copy.groups:
             group.forget()
             group.steps = np.array([int(steps[n]) for n in group.names], dtype=np.int64)
-        self._bases = [[] for _ in self.replica.groups]
+        self._bases = [[] for _ in self.local_copy.groups]
         self._merge_due = False
         # The schedule counts training forwards, the tables their backward passes: the same
         # number in a run that trains every batch it looks up, and every table steps in
-        # every backward (the replicas look each one up), so the largest count is the run's.
+        # every backward (the local copies look each one up), so the largest count is the run's.
         self.schedule.resume(max((int(v) for v in steps.values()), default=0))
 
     def move_device_tier(self, device: torch.device) -> None:
         self.shard.move_device_tier(device)
-        self.replica.move_device_tier(device)
+        self.local_copy.move_device_tier(device)
 
     # -- working-set prefetch ----------------------------------------------------------------
 

@@ -1,0 +1,83 @@
+"""Which of a group's new rows are admitted: per table, by sightings or by chance."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ctr_lightning.embedding.admission_config import Admission
+from ctr_lightning.embedding.initializer import table_key
+from ctr_lightning.embedding.lifecycle.sighting_sketch import SightingSketch
+from ctr_lightning.hashing import splitmix64
+
+
+class AdmissionGate:
+    """The admission of one table group's tables (:class:`Admission`, None: every id).
+
+    ``partitions[t]`` is ``(world, rank)`` for a row-wise shard of table t, ``(1, 0)``
+    where one process holds all its ids.
+
+    Example::
+
+        gate = AdmissionGate(["user", "ad"], [Admission(admit_after=2), None], [(1, 0), (1, 0)])
+        admitted = gate.admit(tables, ids, sightings, steps)   # rows stored nowhere yet
+    """
+
+    def __init__(self, names: Sequence[str], settings: Sequence[Admission | None],
+                 partitions: Sequence[tuple[int, int]]) -> None:
+        self.names = list(names)
+        self.settings = [s if s is not None and s.filters else None for s in settings]
+        self.sketches = [SightingSketch(n, s.sketch_bytes, s.seed, *p) if s is not None and s.counts else None
+                         for n, s, p in zip(self.names, self.settings, partitions)]
+        self.filtering = np.array([s is not None for s in self.settings], dtype=bool)
+        self.counters = {"rows_admitted": 0, "rows_rejected": 0}
+        self.per_table = {n: {"admitted": 0, "rejected": 0} for n, s in zip(self.names, self.settings) if s is not None}
+
+    @property
+    def active(self) -> bool:
+        return bool(self.filtering.any())
+
+    def admit(self, tables: np.ndarray, ids: np.ndarray, sightings: np.ndarray | None,
+              steps: np.ndarray) -> np.ndarray:
+        """Which of these rows, stored nowhere, get a row now. ``sightings``: each one's
+        occurrences in this training batch (None: not training, so nothing is admitted
+        where a table filters); ``steps``: the tables' step counts (the draws' clock)."""
+        admitted = ~self.filtering[tables]
+        for t in np.unique(tables[self.filtering[tables]]):
+            mine = np.flatnonzero(tables == t)
+            if sightings is not None:
+                admitted[mine] = self._decide(int(t), ids[mine], sightings[mine], int(steps[t]))
+            name = self.names[t]
+            taken = int(admitted[mine].sum()) if sightings is not None else 0
+            if sightings is not None:
+                self.per_table[name]["admitted"] += taken
+                self.per_table[name]["rejected"] += len(mine) - taken
+                self.counters["rows_admitted"] += taken
+                self.counters["rows_rejected"] += len(mine) - taken
+        return admitted
+
+    def _decide(self, table: int, ids: np.ndarray, sightings: np.ndarray, step: int) -> np.ndarray:
+        setting = self.settings[table]
+        sketch = self.sketches[table]
+        if sketch is not None:
+            return sketch.add(ids, sightings) >= setting.admit_after
+        # Each of the c sightings admits with probability p: 1 - (1 - p)^c in all, one draw
+        # per (seed, table, id, step).
+        chance = 1.0 - (1.0 - setting.probability) ** sightings.astype(np.float64)
+        key = splitmix64(np.uint64(setting.seed) ^ splitmix64(np.uint64(step) + np.uint64(table_key(self.names[table]))))
+        draw = (splitmix64(ids.astype(np.uint64) ^ key) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+        return draw < chance
+
+    def state(self) -> dict[str, np.ndarray]:
+        """Per counting table, its sketch's :meth:`SightingSketch.state`."""
+        return {n: s.state() for n, s in zip(self.names, self.sketches) if s is not None}
+
+    def load(self, state: dict[str, np.ndarray]) -> None:
+        for name, sketch in zip(self.names, self.sketches):
+            if sketch is None:
+                continue
+            if name not in state:
+                raise KeyError(f"table {name!r} counts sightings (Admission.admit_after > 1) but the checkpoint holds "
+                               f"no counters for it (saved without admission?)")
+            sketch.load(np.asarray(state[name]))

@@ -1,0 +1,157 @@
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ctr_lightning.embedding import Admission, SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+
+TABLES = [
+    EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=1000, feature_names=["f0"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=1000, feature_names=["f1"]),
+]
+BATCH, STEPS = 32, 12
+
+
+def stream(seed: int = 0) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """Per step, per feature, (lengths, ids): a Zipf head and a long tail of ids seen once."""
+    rng = np.random.default_rng(seed)
+    steps = []
+    for _ in range(STEPS):
+        features = []
+        for _f in range(2):
+            lengths = rng.integers(0, 4, BATCH)
+            ids = (rng.zipf(1.4, int(lengths.sum())) * 7919) % (1 << 40)
+            features.append((lengths, ids.astype(np.int64)))
+        steps.append(features)
+    return steps
+
+
+def kjt(features: list[tuple[np.ndarray, np.ndarray]]) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(keys=["f0", "f1"], values=torch.from_numpy(np.concatenate([i for _, i in features])),
+                             lengths=torch.from_numpy(np.concatenate([l for l, _ in features])))
+
+
+def without_unadmitted(steps, admit_after: int):
+    """The stream with every occurrence before an id's admitting step removed (exact counts):
+    what a collection that admits every id must see to train as the admitting one does."""
+    seen = [Counter(), Counter()]
+    out = []
+    for features in steps:
+        kept = []
+        for f, (lengths, ids) in enumerate(features):
+            seen[f].update(ids.tolist())
+            keep = np.array([seen[f][i] >= admit_after for i in ids.tolist()], dtype=bool)
+            bag = np.repeat(np.arange(len(lengths)), lengths)
+            kept.append((np.bincount(bag[keep], minlength=len(lengths)), ids[keep]))
+        out.append(kept)
+    return out
+
+
+def collection(tmp_path, name, **kwargs) -> TieredEmbeddingBagCollection:
+    # A 20-row device tier a table over an SSD tier: admitted rows leave memory and come back.
+    return TieredEmbeddingBagCollection(
+        TABLES, optimizer=SparseAdam(lr=0.05), seed=3,
+        storage=StorageConfig(device_rows=20, host_rows=0, ssd_dir=str(tmp_path / name)), **kwargs)
+
+
+def train(ebc, steps) -> list[torch.Tensor]:
+    weights = torch.randn(16, generator=torch.Generator().manual_seed(1))
+    outputs = []
+    for features in steps:
+        pooled = ebc(kjt(features)).values()
+        outputs.append(pooled.detach().clone())
+        (pooled @ weights).sum().backward()
+    return outputs
+
+
+@pytest.mark.parametrize("kernel", ["numba", "torch"])
+def test_admit_after_trains_as_if_earlier_sightings_were_absent(tmp_path, kernel):
+    steps = stream()
+    admitting = collection(tmp_path, f"a_{kernel}", admission=Admission(admit_after=3), kernel=kernel)
+    reference = collection(tmp_path, f"r_{kernel}", kernel=kernel)
+    got = train(admitting, steps)
+    want = train(reference, without_unadmitted(steps, 3))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)  # zeros pool as absent ids: bit for bit
+    counts = [Counter(np.concatenate([f[t][1] for f in steps]).tolist()) for t in range(2)]
+    for t, name in enumerate(("t0", "t1")):
+        admitted = sorted(i for i, c in counts[t].items() if c >= 3)
+        rejected = sorted(i for i, c in counts[t].items() if c < 3)
+        assert len(admitted) > 5 and len(rejected) > 50  # the tail is long: most ids never get a row
+        torch.testing.assert_close(admitting.rows(name, admitted), reference.rows(name, admitted), atol=0, rtol=0)
+        assert not admitting.rows(name, rejected).any()  # stored nowhere: zeros
+    stored = admitting.storage_stats()
+    assert stored["ssd_rows"] + stored["memory_rows"] >= sum(1 for c in counts for n in c.values() if n >= 3)
+    counters = admitting.tier_stats()
+    assert counters["rows_admitted"] == sum(1 for c in counts for n in c.values() if n >= 3)
+    assert counters["rows_rejected"] > counters["rows_admitted"]
+    assert admitting.tier_stats()["ssd_hits"] > 0  # admitted rows went through the SSD tier
+
+
+def test_mean_pooling_counts_an_unadmitted_id_as_a_zero_row():
+    table = EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=100, feature_names=["f0"],
+                               pooling=PoolingType.MEAN)
+    ebc = TieredEmbeddingBagCollection([table], admission=Admission(admit_after=2), seed=1)
+    plain = TieredEmbeddingBagCollection([table], seed=1)
+    # Bag 0: id 5 twice (admitted at once) and id 9 once (not): the mean of (r5, r5, 0).
+    features = KeyedJaggedTensor(keys=["f0"], values=torch.tensor([5, 5, 9]), lengths=torch.tensor([3]))
+    with torch.no_grad():
+        got = ebc(features).values()
+    # Evaluation admits nothing, and reads zeros for ids stored nowhere.
+    assert not got.any()
+    got = ebc(features).values()
+    expected = 2 * plain.rows("t0", [5]) / 3
+    torch.testing.assert_close(got, expected, atol=1e-7, rtol=0)
+    got.sum().backward()
+    assert not ebc.rows("t0", [9]).any()
+    assert ebc.storage_stats()["memory_rows"] == 1
+
+
+def test_probability_admission_is_a_pure_function_of_the_stream(tmp_path):
+    steps = stream(seed=5)
+    runs = [collection(tmp_path, f"p{i}", admission=Admission(probability=0.3, seed=7)) for i in range(2)]
+    outputs = [train(ebc, steps) for ebc in runs]
+    for a, b in zip(*outputs):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    counters = runs[0].tier_stats()
+    share = counters["rows_admitted"] / (counters["rows_admitted"] + counters["rows_rejected"])
+    assert 0.2 < share < 0.45  # a third of first sightings, and more of the repeated ones
+    other_seed = collection(tmp_path, "p_other", admission=Admission(probability=0.3, seed=8))
+    train(other_seed, steps)
+    assert other_seed.tier_stats()["rows_admitted"] != counters["rows_admitted"]
+
+
+def test_a_resume_from_a_state_dict_admits_what_an_uninterrupted_run_does():
+    steps = stream(seed=2)
+    uninterrupted = TieredEmbeddingBagCollection(TABLES, admission=Admission(admit_after=2), seed=3)
+    want = train(uninterrupted, steps)
+    first = TieredEmbeddingBagCollection(TABLES, admission=Admission(admit_after=2), seed=3)
+    train(first, steps[:5])
+    state = first.state_dict()
+    assert state["_extra_state"]["sightings"]["t0"].dtype == torch.uint8
+    resumed = TieredEmbeddingBagCollection(TABLES, admission=Admission(admit_after=2), seed=3)
+    resumed.load_state_dict(state)
+    got = train(resumed, steps[5:])
+    for a, b in zip(got, want[5:]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # Without the counters, ids seen once before the cut would be admitted later: it differs.
+    state["_extra_state"].pop("sightings")
+    forgetful = TieredEmbeddingBagCollection(TABLES, admission=Admission(admit_after=2), seed=3)
+    forgetful.load_state_dict(state)
+    assert any(not torch.equal(a, b) for a, b in zip(train(forgetful, steps[5:]), want[5:]))
+
+
+def test_bad_admission_settings_name_the_setting_or_table():
+    with pytest.raises(ValueError, match="admit_after must be in"):
+        Admission(admit_after=0)
+    with pytest.raises(ValueError, match="probability must be in"):
+        Admission(probability=0.0)
+    with pytest.raises(ValueError, match="two modes"):
+        Admission(admit_after=2, probability=0.5)
+    with pytest.raises(ValueError, match="table 't0'.*sketch_bytes 1000 is below"):
+        TieredEmbeddingBagCollection(TABLES, admission={"t0": Admission(admit_after=2, sketch_bytes=1000)})
+    with pytest.raises(ValueError, match=r"unknown tables \['nope'\]"):
+        TieredEmbeddingBagCollection(TABLES, admission={"nope": Admission(admit_after=2)})
