@@ -31,6 +31,9 @@ class BatchDataLoader(DataLoader):
     the pass instead lasts until the last rank runs out, and a rank that ran out first
     yields empty batches meanwhile, so the collectives of a sharded model still meet.
 
+    ``on_exhausted`` runs when a pass has handed out its last batch (Lightning asks for one
+    more before it trains the last: the hook runs before that step).
+
     With ``require_examples`` (training), a pass that yields no batch at all is an
     :class:`EmptyEpochError` naming the files and why. ``epoch_of`` tells the dataset the
     epoch when a pass starts (its shards may rotate with it).
@@ -43,7 +46,8 @@ class BatchDataLoader(DataLoader):
     """
 
     def __init__(self, dataset: LogStreamDataset, process_group: Any = None, require_examples: bool = False,
-                 epoch_of: Callable[[], int] | None = None, pad_ranks: bool = False, **kwargs: Any) -> None:
+                 epoch_of: Callable[[], int] | None = None, pad_ranks: bool = False,
+                 on_exhausted: Callable[[], None] | None = None, **kwargs: Any) -> None:
         kwargs["batch_size"] = None  # the dataset yields whole batches, built in the workers
         super().__init__(dataset, **kwargs)
         self.process_group = process_group
@@ -51,6 +55,7 @@ class BatchDataLoader(DataLoader):
         self.padded = 0  # empty batches of the last pass, yielded while other ranks still read
         self.require_examples = require_examples
         self.epoch_of = epoch_of
+        self.on_exhausted = on_exhausted
         self.shard_log: list[int] = []  # the shard of every batch handed out, in order
         self.held_back = (0, 0)  # (batches, examples) of the last pass not handed out to keep ranks even
         self.bad_line_counts: Counter[str] = Counter()  # lines skipped this pass, per file, all workers
@@ -102,6 +107,8 @@ class BatchDataLoader(DataLoader):
         if self.require_examples and not self.shard_log:
             raise EmptyEpochError(f"epoch {self.dataset.epoch} of rank {self.dataset.rank} yielded no training "
                                   f"example: {self.dataset.describe_empty(self.bad_line_counts)}")
+        if self.on_exhausted is not None:
+            self.on_exhausted()
 
     def _empty_batch(self) -> Batch:
         fmt = self.dataset.format

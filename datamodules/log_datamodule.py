@@ -12,6 +12,7 @@ from ctr_lightning.datamodules.bad_lines import BadFilePolicy, BadLinePolicy
 from ctr_lightning.datamodules.row_index import FileIndex, default_index_dir
 from ctr_lightning.datamodules.sources import expand_paths, time_slices
 from ctr_lightning.datamodules.batch_loader import BatchDataLoader
+from ctr_lightning.datamodules.followed_log import FollowedLog, Readiness
 from ctr_lightning.datamodules.log_format import LogFormat
 from ctr_lightning.datamodules.stream_dataset import LogStreamDataset, index_log_files
 
@@ -43,6 +44,17 @@ class LogDataModule(pl.LightningDataModule):
             epoch k trains on slice k and validates on slice k + 1 (progressive
             validation). Needs ``Trainer(reload_dataloaders_every_n_epochs=1)`` and no
             ``val_paths``.
+        follow: train on a log as it lands: epoch k trains the k-th complete time slice
+            of ``train_paths`` (a directory, glob or Hive partitions, in partition order;
+            see :class:`FollowedLog`: a ``_SUCCESS`` marker, or sizes stable over two polls).
+            At the end of a slice it waits for the next, polling every ``poll_seconds``;
+            the run ends at ``max_steps``, when no slice completes within ``idle_timeout``
+            seconds (None: wait for ever), or at the slice boundary after ``stop_file``
+            appears. Checkpoints hold the slices taken and the position in the current
+            one. Needs ``Trainer(reload_dataloaders_every_n_epochs=1)``; ``val_paths``
+            optional (a fixed set); pair it with the ``ProgressiveValidation`` callback.
+        poll_seconds, idle_timeout, stop_file, ready: of ``follow`` (``ready``: ``"auto"``,
+            ``"marker"`` or ``"stable"``).
         max_bad_fraction: a file whose share of bad lines is larger (beyond a stray few)
             stops the run, naming the file and its first bad lines; None: no limit.
         shuffle_shards: deal the pieces of the data to the ranks in another order every
@@ -75,8 +87,19 @@ class LogDataModule(pl.LightningDataModule):
         shuffle_shards: bool = False,
         shuffle_seed: int = 0,
         index_dir: str | None = None,
+        follow: bool = False,
+        poll_seconds: float = 30.0,
+        idle_timeout: float | None = None,
+        stop_file: str | None = None,
+        ready: Readiness = "auto",
     ) -> None:
         super().__init__()
+        if follow and (online or not train_paths):
+            raise ValueError("follow mode trains the slices of train_paths as they land: give train_paths, and not "
+                             "online (follow is the online mode of a log still being written)")
+        if poll_seconds <= 0 or (idle_timeout is not None and idle_timeout < 0):
+            raise ValueError(f"poll_seconds must be > 0 and idle_timeout >= 0 or None, got {poll_seconds}, "
+                             f"{idle_timeout}")
         if online and val_paths:
             raise ValueError("online mode validates each day on the next one: give train_paths only, not val_paths")
         if batch_size < 1:
@@ -99,6 +122,8 @@ class LogDataModule(pl.LightningDataModule):
         self.bad_lines = bad_lines
         self.bad_files = bad_files
         self.online = online
+        self.followed: FollowedLog | None = FollowedLog(train_paths, ready) if follow else None
+        self._follow_wait = (poll_seconds, idle_timeout, stop_file)
         self.max_bad_fraction = max_bad_fraction
         self.shuffle_shards, self.shuffle_seed = shuffle_shards, shuffle_seed
         self.index_dir = index_dir if index_dir is not None else default_index_dir()
@@ -127,7 +152,7 @@ class LogDataModule(pl.LightningDataModule):
         # Once per node (Lightning's local rank 0): count the records of every file into
         # the cache, so that the other ranks read the counts in setup().
         for split, paths in self.paths.items():
-            if paths:
+            if paths and not (split == "train" and self.followed is not None):  # still landing
                 self._index(expand_paths(paths, what=f"{split}_paths"))
 
     def setup(self, stage: str) -> None:
@@ -137,9 +162,12 @@ class LogDataModule(pl.LightningDataModule):
                 if split == "val":
                     continue  # fitting without validation is allowed
                 raise ValueError(f"{type(self).__name__}: stage {stage!r} needs {split}_paths")
+            if split == "train" and self.followed is not None:
+                self.files[split] = []  # slices are taken as they land (followed_files)
+                continue
             self.files[split] = expand_paths(paths, what=f"{split}_paths")
             self._index(self.files[split])
-        if self.online and stage == "fit":
+        if (self.online or self.followed is not None) and stage == "fit":
             self.setup_online()
         trainer = self.trainer
         if (self._sync_process_group is None and trainer is not None and trainer.world_size > 1
@@ -158,6 +186,8 @@ class LogDataModule(pl.LightningDataModule):
         if trainer is not None and trainer.reload_dataloaders_every_n_epochs != 1:
             raise ValueError("online mode needs Trainer(reload_dataloaders_every_n_epochs=1), got "
                              f"{trainer.reload_dataloaders_every_n_epochs}")
+        if self.followed is not None:
+            return
         days = time_slices(self.files["train"])
         if len(days) < 2:
             raise ValueError(f"online mode needs at least two time slices in train_paths, got {days}")
@@ -175,7 +205,10 @@ class LogDataModule(pl.LightningDataModule):
     def _dataloader(self, split: str) -> BatchDataLoader:
         if split not in self.files and not (self.online and split == "val"):
             self.setup({"train": "fit", "val": "validate"}.get(split, split))
-        files = self.files[split] if not self.online else self.online_files(split)
+        if split == "train" and self.followed is not None:
+            files = self.followed_files()
+        else:
+            files = self.files[split] if not self.online else self.online_files(split)
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         self.epoch_files[split] = files
@@ -197,10 +230,33 @@ class LogDataModule(pl.LightningDataModule):
         # collectives in evaluation too, so a rank that stopped early would hang the rest.
         loader = BatchDataLoader(dataset, process_group=self._sync_process_group, num_workers=self.num_workers,
                                  require_examples=split == "train", epoch_of=self._current_epoch,
-                                 pad_ranks=split != "train")  # evaluation and predict see every example
+                                 pad_ranks=split != "train",  # evaluation and predict see every example
+                                 on_exhausted=self._after_slice if split == "train" and self.followed else None)
         if split == "train":
             self._train_loader = loader
         return loader
+
+    def followed_files(self) -> list[str]:
+        """Follow mode: this epoch's slice, waited for until it is complete."""
+        epoch = self._current_epoch()
+        if not self.followed.wait_for(epoch + 1, *self._follow_wait, process_group=self._sync_process_group):
+            raise FileNotFoundError(f"follow: no complete time slice under {self.paths['train']!r} for epoch {epoch} "
+                                    f"(idle_timeout {self._follow_wait[1]} s, stop_file {self._follow_wait[2]!r})")
+        files = self.followed.slices[epoch]
+        self._index(files)
+        return files
+
+    def _after_slice(self) -> None:
+        """Follow mode, a slice read to its end: wait for the next one, or end the run at
+        this slice's end (Lightning's epoch then trains the batch it holds and stops)."""
+        trainer = self.trainer
+        if trainer is None:
+            return
+        if trainer.max_steps >= 0 and trainer.global_step + 1 >= trainer.max_steps:
+            return  # the batch in hand is the run's last
+        poll, idle, stop = self._follow_wait
+        if not self.followed.wait_for(self._current_epoch() + 2, poll, idle, stop, self._sync_process_group):
+            trainer.should_stop = True
 
     def _current_epoch(self) -> int:
         return max(self.trainer.current_epoch if self.trainer is not None else 0, self._epoch_floor)
@@ -244,6 +300,7 @@ class LogDataModule(pl.LightningDataModule):
                 for k, v in part.items():
                     shard_batches[k] = max(shard_batches.get(k, 0), v)
         return {
+            **({"followed": self.followed.state()} if self.followed is not None else {}),
             "epoch": trainer.current_epoch,
             "epoch_done": _epoch_trained(trainer),
             "files": self.epoch_files.get("train", []),
@@ -257,6 +314,8 @@ class LogDataModule(pl.LightningDataModule):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._resume = dict(state_dict) or None
+        if self.followed is not None and "followed" in state_dict:
+            self.followed.load(state_dict["followed"])  # epoch k trains the slice it trained before
 
     def _take_resume(self, files: list[str], rank: int, world: int) -> dict[int, int] | None:
         state, self._resume = self._resume, None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import io
 import zlib
 from collections.abc import Iterator, Sequence
@@ -63,6 +64,42 @@ def time_slices(files: Sequence[str]) -> list[list[str]]:
         key = "/".join(parts[: partition + 1]) if partition is not None else path
         groups.setdefault(key, []).append(path)
     return [sorted(groups[key]) for key in sorted(groups)]
+
+
+_DATE_KEYS = ("dt", "date", "day", "ds")
+_HOUR_KEYS = ("hour", "hh", "hr")
+
+
+def slice_name(files: Sequence[str]) -> str:
+    """A time slice's name: its Hive partition directory (``logs/dt=2026-12-01/hour=05``),
+    or its one file."""
+    parts = files[0].split("/")
+    partition = max((i for i, p in enumerate(parts[:-1]) if "=" in p), default=None)
+    return "/".join(parts[: partition + 1]) if partition is not None else files[0]
+
+
+def slice_event_time(files: Sequence[str]) -> float | None:
+    """The start of a time slice in POSIX seconds (UTC), from its Hive partitions: a date
+    (``dt``, ``date``, ``day`` or ``ds``: ``2026-12-01`` or ``20261201``) and an optional
+    ``hour``; None where the path has no date.
+
+    Example::
+
+        slice_event_time(["logs/dt=2026-12-01/hour=05/part-0.tsv"])   # 1796101200.0 (2026-12-01 05:00 UTC)
+    """
+    if not files:
+        return None
+    fields = dict(p.split("=", 1) for p in files[0].split("/")[:-1] if "=" in p)
+    day = next((fields[k] for k in _DATE_KEYS if k in fields), None)
+    if day is None:
+        return None
+    digits = day.replace("-", "")
+    try:
+        when = datetime.datetime.strptime(digits[:8], "%Y%m%d").replace(tzinfo=datetime.timezone.utc)
+        hour = next((int(fields[k]) for k in _HOUR_KEYS if k in fields), 0)
+    except ValueError:
+        return None
+    return (when + datetime.timedelta(hours=hour)).timestamp()
 
 
 @dataclass(frozen=True)
