@@ -22,7 +22,8 @@ class Admission:
     training lookups count as sightings; evaluation and predict read zeros for ids stored
     nowhere. Decisions are a pure function of the training batches, the seed and the
     table's step count, so a resumed run and a run sharded over ranks admit exactly what
-    one uninterrupted process admits.
+    one uninterrupted process admits. Under ``sparse_sync="k_step"`` the owners decide at each
+    merge, on every rank's sightings of the interval (rows train locally until then).
 
     Args:
         admit_after: an id gets a row at its ``admit_after``-th sighting (counted over

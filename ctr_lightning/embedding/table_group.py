@@ -189,6 +189,22 @@ class TableGroup:
         """``[weights | optimizer state]`` of rows, freshest tier first; reads only."""
         return self.tiers.full_rows(tables, ids)
 
+    def admit_merged(self, tables: np.ndarray, ids: np.ndarray, sightings: np.ndarray, clock: int) -> np.ndarray:
+        """Under k-step tables, at a merge: which of these rows (unique) keep their merged
+        deltas. Rows stored already do; in tables that admit ids selectively, a row stored
+        nowhere does when admission takes it with the interval's ``sightings`` (all ranks'),
+        ``clock`` being the draws' step."""
+        keep = np.ones(len(ids), dtype=bool)
+        if self.admission is None:
+            return keep
+        filtering = self.admission.filtering[tables]
+        if filtering.any():
+            pick = np.flatnonzero(filtering)
+            unstored = pick[~self.tiers.stored(tables[pick], ids[pick])]
+            steps = np.full(len(self.names), clock, dtype=np.int64)
+            keep[unstored] = self.admission.admit(tables[unstored], ids[unstored], sightings[unstored], steps)
+        return keep
+
     def put_rows(self, tables: np.ndarray, ids: np.ndarray, values: torch.Tensor) -> None:
         """Overwrite rows (unique pairs) with ``[weights | optimizer state]`` values."""
         self.tiers.put_rows(tables, ids, values)

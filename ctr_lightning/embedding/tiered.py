@@ -97,8 +97,9 @@ class TieredEmbeddingBagCollection(nn.Module):
             that at the start of fit (a CTRModule adds it by itself).
         admission: which new ids get a row (:class:`Admission`: after N sightings, or with
             a probability), for all tables or per table name (tables left out admit every
-            id). An id not admitted reads zeros and is not updated. Under ``sparse_sync="step"``
-            sharding only, row-wise or table-wise.
+            id). An id not admitted reads zeros and is not updated; under ``sparse_sync="k_step"``
+            the owners admit at each merge on the interval's sightings of all ranks. Not on
+            data-parallel tables.
 
     Example::
 

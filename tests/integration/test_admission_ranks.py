@@ -104,3 +104,28 @@ def test_two_ranks_admit_what_one_process_admits(tmp_path, run_ranks):
     two = torch.load(tmp_path / "row_wise_2.pt", weights_only=False)
     assert all(c["rows_admitted"] > 0 for c in two["counters"])
     assert sum(c["rows_admitted"] for c in two["counters"]) == admitted
+
+
+# Two ranks with k-step tables (merges every 2 steps): straight through, and cut after a
+# merge, saved, and resumed in new collections. The owners admit at each merge on all
+# ranks' sightings of the interval.
+KSTEP_SCRIPT = RANK_SCRIPT.replace(
+    'sharding=label.split("+")[0], admission=Admission(admit_after=2),',
+    'sharding=label.split("+")[0], admission=Admission(admit_after=2), sparse_sync="k_step", sync_every=2,',
+).replace('for label in ("row_wise", "table_wise", "row_wise+resumed"):',
+          'for label in ("row_wise", "row_wise+resumed", "table_wise", "table_wise+resumed"):')
+
+
+@pytest.mark.slow
+def test_kstep_tables_keep_the_same_rows_across_a_resume(tmp_path, run_ranks):
+    assert KSTEP_SCRIPT != RANK_SCRIPT
+    run_ranks(KSTEP_SCRIPT, ["2", str(tmp_path), "{port}"], world=2, ddp_env=False)
+    for kind in ("row_wise", "table_wise"):
+        straight = torch.load(tmp_path / f"{kind}_2.pt", weights_only=False)
+        resumed = torch.load(tmp_path / f"{kind}+resumed_2.pt", weights_only=False)
+        admitted = sum(c["rows_admitted"] for c in straight["counters"])
+        assert admitted == sum(len(ids) for ids in straight["stored"].values()) > 20
+        assert sum(c["rows_rejected"] for c in straight["counters"]) > admitted
+        assert resumed["stored"] == straight["stored"], kind  # the same set of rows
+        for name, counts in straight["sightings"].items():
+            assert torch.equal(resumed["sightings"][name], counts), (kind, name)

@@ -26,6 +26,16 @@ def gather_tables(local: dict[str, TableState], tables: Sequence[EmbeddingBagCon
     return out
 
 
+def gather_sightings(local: dict[str, np.ndarray], process_group: dist.ProcessGroup) -> dict[str, np.ndarray]:
+    """Collective: admission's sketches of every rank, joined per table (each rank's holds
+    its partitions, zeros elsewhere: their maximum is the whole sketch)."""
+    joined: dict[str, np.ndarray] = {}
+    for part in gather_objects(local, process_group):
+        for name, counts in part.items():
+            joined[name] = counts if name not in joined else np.maximum(joined[name], counts)
+    return joined
+
+
 def gather_objects(item: Any, process_group: dist.ProcessGroup) -> list[Any]:
     """Collective: every rank's ``item`` (any picklable object), in rank order."""
     out: list[Any] = [None] * process_group.size()

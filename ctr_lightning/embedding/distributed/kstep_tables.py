@@ -3,6 +3,7 @@ owners average the copies' deltas (the paper's pull / push per pass)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ctr_lightning.embedding.distributed.collectives import (
     UnevenAllToAll,
     broadcast_from_rank0,
+    gather_sightings,
     gather_tables,
     owners_rows,
 )
@@ -57,9 +59,6 @@ class KStepTables(TableEngine):
         if data_parallel:
             raise ValueError(f"tables {data_parallel}: data_parallel sharding needs sparse_sync='step'; under 'k_step' "
                              f"every rank trains a local copy of the rows it touches already")
-        if setup.admission:
-            raise ValueError(f"tables {sorted(setup.admission)}: admission is not supported under "
-                             f"sparse_sync='k_step' yet; use sparse_sync='step'")
         self.tables = list(tables)
         self.plan = dict(plan)
         self.process_group = process_group
@@ -68,9 +67,12 @@ class KStepTables(TableEngine):
         self.schedule = schedule
         self._merge_due = False
         owned = [t for t in tables if plan[t.name].kind == "row_wise" or plan[t.name].owner == self.rank]
-        self.shard = LocalTables(owned, setup.for_rank(self.rank))
-        # The local copy holds one interval's working set, in memory.
-        self.local_copy = LocalTables(tables, setup.in_memory())
+        row_wise = [t.name for t in tables if plan[t.name].kind == "row_wise"]
+        self.shard = LocalTables(owned, setup.for_rank(self.rank).row_wise_shard(self.world, self.rank, row_wise))
+        # The local copy holds one interval's working set, in memory. It trains every row it
+        # touches; admission is the owners' decision, at the merge, on all ranks' sightings.
+        self.local_copy = LocalTables(tables, dataclasses.replace(setup.in_memory(), admission={}))
+        self.admits = bool(setup.admission)
         index = {t.name: i for i, t in enumerate(tables)}
         self.copy_globals = [np.array([index[n] for n in g.names], dtype=np.int64) for g in self.local_copy.groups]
         self.is_row_wise = np.array([plan[t.name].kind == "row_wise" for t in tables])
@@ -93,6 +95,8 @@ class KStepTables(TableEngine):
         for name, (g, local) in self.shard.table_of_name.items():
             self.shard_group_of[index[name]], self.shard_local_of[index[name]] = g, local
         self._bases: list[list[tuple[np.ndarray, np.ndarray, torch.Tensor]]] = [[] for _ in self.local_copy.groups]
+        # Under admission, per group, the (tables, ids, occurrences) of this interval's training batches.
+        self._sightings: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in self.local_copy.groups]
         self.merges = 0
         self._exchange = UnevenAllToAll(process_group)
 
@@ -113,7 +117,7 @@ class KStepTables(TableEngine):
                 self.merge()
             # A synchronous step (warm-up) is merged right after, as k = 1 would be.
             self._merge_due = self.schedule.synchronous() | self.schedule.step()
-            self._pull(parts)
+            self._pull(parts, count=self.admits)
         else:
             # The rows the merge and the pull keep must stay normal tensors when evaluation
             # runs under inference mode, or the next training step cannot update them.
@@ -135,12 +139,15 @@ class KStepTables(TableEngine):
         by_hash = row_owner(torch.from_numpy(ids), self.world).numpy()
         return np.where(self.is_row_wise[tables], by_hash, self.table_owner[tables])
 
-    def _pull(self, parts: list[tuple[np.ndarray, np.ndarray, Any, Any]]) -> None:
-        """Bring the rows of this batch (``LocalTables.split``) that the local copy lacks from their owners."""
+    def _pull(self, parts: list[tuple[np.ndarray, np.ndarray, Any, Any]], count: bool = False) -> None:
+        """Bring the rows of this batch (``LocalTables.split``) that the local copy lacks from
+        their owners; with ``count``, note each row's occurrences (sightings, for admission)."""
         wanted_tables, wanted_ids = [], []
         for g, (group, (tables, ids, _, _)) in enumerate(zip(self.local_copy.groups, parts)):
-            first, _ = group.dedup_ahead(tables, ids)
+            first, inverse = group.dedup_ahead(tables, ids)
             t, i = tables[first], ids[first]
+            if count:
+                self._sightings[g].append((t, i, np.bincount(inverse, minlength=len(first))))
             missing = group.absent(t, i)
             wanted_tables.append(self.copy_globals[g][t[missing]])
             wanted_ids.append(i[missing])
@@ -155,6 +162,19 @@ class KStepTables(TableEngine):
         expected = np.bincount(dest, weights=self.wire_width[tables], minlength=self.world).astype(np.int64)
         received = self._exchange(torch.cat(answers), [a.numel() for a in answers], expected.tolist())
         self._insert(tables, ids, counts, received)
+
+    def _interval_sightings(self, g: int, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """This rank's occurrences of each of these rows (group ``g``) in the interval's training batches."""
+        seen = self._sightings[g]
+        if not seen:
+            return np.zeros(len(ids), dtype=np.int64)
+        first, inverse = dedup(np.concatenate([s[0] for s in seen]), np.concatenate([s[1] for s in seen]))
+        totals = np.bincount(inverse, weights=np.concatenate([s[2] for s in seen]), minlength=len(first))
+        index = KeyIndex()
+        index.insert(np.concatenate([s[0] for s in seen])[first], np.concatenate([s[1] for s in seen])[first],
+                     np.arange(len(first), dtype=np.int64))
+        at = index.lookup(tables, ids)
+        return np.where(at >= 0, totals[np.maximum(at, 0)], 0).astype(np.int64)
 
     def _owned_rows(self, tables: np.ndarray, ids: np.ndarray) -> torch.Tensor:
         """Full rows (weights and optimizer state) this owner holds, packed for the wire, in order."""
@@ -208,12 +228,15 @@ class KStepTables(TableEngine):
             tables = self.copy_globals[g][changed.tables]
             dest = self._owner(tables, changed.ids)
             packed = self._pack(delta, int(self.dim[tables[0]]))
+            columns = [tables, changed.ids]
+            if self.admits:  # the owners admit on every rank's sightings
+                columns.append(self._interval_sightings(g, changed.tables, changed.ids))
             for r in range(self.world):  # each destination gets one block per group
                 mine = dest == r
                 if mine.any():
-                    keys[r].append(np.stack([tables[mine], changed.ids[mine]], axis=1))
+                    keys[r].append(np.stack([c[mine] for c in columns], axis=1))
                     flats[r].append(packed[torch.from_numpy(mine)].reshape(-1))
-        sent_keys = [np.concatenate(k) if k else np.empty((0, 2), dtype=np.int64) for k in keys]
+        sent_keys = [np.concatenate(k) if k else np.empty((0, 3 if self.admits else 2), dtype=np.int64) for k in keys]
         sent_flat = [torch.cat(f) if f else torch.empty(0) for f in flats]
         got_keys = self._exchange(torch.from_numpy(np.concatenate(sent_keys)), [len(k) for k in sent_keys])
         expected = [int(self.wire_width[k[:, 0].numpy()].sum()) for k in got_keys]
@@ -222,6 +245,7 @@ class KStepTables(TableEngine):
         for g, group in enumerate(self.local_copy.groups):
             group.forget()
             self._bases[g] = []
+            self._sightings[g] = []
         self._merge_due = False
         self.schedule.note_merge()  # unscheduled merges (evaluation, checkpoints) do not move the schedule
         self.merges += 1
@@ -236,7 +260,8 @@ class KStepTables(TableEngine):
                 rows = self._unpack(flat[offset : offset + size], end - start, int(keys[start, 0]))
                 offset += size
                 g = int(self.copy_group_of[keys[start, 0]])
-                per_group.setdefault(g, []).append((keys[start:end, 0], keys[start:end, 1], rows))
+                seen = keys[start:end, 2] if self.admits else np.zeros(end - start, dtype=np.int64)
+                per_group.setdefault(g, []).append((keys[start:end, 0], keys[start:end, 1], rows, seen))
         for parts in per_group.values():
             tables = np.concatenate([p[0] for p in parts])
             ids = np.concatenate([p[1] for p in parts])
@@ -245,11 +270,16 @@ class KStepTables(TableEngine):
             mean = torch.zeros(len(first), rows.shape[1])
             mean.index_add_(0, torch.from_numpy(inverse), rows)
             mean /= torch.from_numpy(np.bincount(inverse, minlength=len(first))).to(mean.dtype)[:, None]
+            sightings = np.bincount(inverse, weights=np.concatenate([p[3] for p in parts]),
+                                    minlength=len(first)).astype(np.int64)
             tables, ids = tables[first], ids[first]
             for sg in np.unique(self.shard_group_of[tables]):
                 pick = np.flatnonzero(self.shard_group_of[tables] == sg)
                 group = self.shard.groups[int(sg)]
                 local = self.shard_local_of[tables[pick]]
+                # Rows stored nowhere keep their deltas only where admission takes them now.
+                keep = group.admit_merged(local, ids[pick], sightings[pick], self.schedule.steps)
+                pick, local = pick[keep], local[keep]
                 group.put_rows(local, ids[pick], group.full_rows(local, ids[pick]) + mean[torch.from_numpy(pick)])
 
     # -- reads, checkpoints ----------------------------------------------------------------
@@ -264,6 +294,13 @@ class KStepTables(TableEngine):
 
     def counters(self) -> dict[str, int]:
         return self.shard.counters()
+
+    def sightings(self) -> dict[str, np.ndarray]:
+        self.merge()  # the interval's sightings reach the owners' sketches
+        return gather_sightings(self.shard.sightings(), self.process_group)
+
+    def load_sightings(self, state: Mapping[str, np.ndarray]) -> None:
+        self.shard.load_sightings(state)
 
     def storage(self) -> dict[str, int]:
         held = self.shard.storage()

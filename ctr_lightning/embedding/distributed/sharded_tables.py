@@ -17,7 +17,12 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding.counters import sum_counters
-from ctr_lightning.embedding.distributed.collectives import broadcast_from_rank0, gather_objects, gather_tables, owners_rows
+from ctr_lightning.embedding.distributed.collectives import (
+    broadcast_from_rank0,
+    gather_sightings,
+    gather_tables,
+    owners_rows,
+)
 from ctr_lightning.embedding.distributed.data_parallel import DataParallelTables
 from ctr_lightning.embedding.distributed.shard_snapshots import save_shards
 from ctr_lightning.embedding.engine import TableEngine, TableState
@@ -275,12 +280,7 @@ class ShardedTables(TableEngine):
         return owners_rows(self.local, self.tables, table, self.owns(table, ids), ids, self.process_group)
 
     def sightings(self) -> dict[str, np.ndarray]:
-        # Each rank's sketch holds its partitions (zeros elsewhere): joined by their maximum.
-        joined: dict[str, np.ndarray] = {}
-        for part in gather_objects(self.local.sightings(), self.process_group):
-            for name, counts in part.items():
-                joined[name] = counts if name not in joined else np.maximum(joined[name], counts)
-        return joined
+        return gather_sightings(self.local.sightings(), self.process_group)
 
     def load_sightings(self, state: Mapping[str, np.ndarray]) -> None:
         self.local.load_sightings(state)

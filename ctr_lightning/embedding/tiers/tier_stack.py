@@ -144,6 +144,22 @@ class TierStack:
 
     # -- reads without side effects, writes --------------------------------------------------
 
+    def stored(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Which of these rows are stored in some tier (reads only)."""
+        self.drain()
+        held = np.zeros(len(ids), dtype=bool)
+        for tier in (self.device_tier, self.host_tier):
+            if tier is not None:
+                held |= tier.lookup(tables, ids) >= 0
+        if self.writer.unwritten is not None and not held.all():
+            rest = np.flatnonzero(~held)
+            held[rest] = self.writer.unwritten_rows(tables[rest], ids[rest])[0]
+        if self.ssd is not None and not held.all():
+            rest = np.flatnonzero(~held)
+            maybe = rest[self.ssd.may_hold(tables[rest], ids[rest])]
+            held[maybe] = self.ssd.read(tables[maybe], ids[maybe])[0]
+        return held
+
     def full_rows(self, tables: np.ndarray, ids: np.ndarray) -> torch.Tensor:
         """``[weights | optimizer state]`` of rows, freshest tier first; reads only."""
         self.check_ids(tables, ids)
