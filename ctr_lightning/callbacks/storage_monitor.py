@@ -49,7 +49,9 @@ class StorageMonitor(Callback):
     ``storage/ssd_bytes`` (the SSD files), ``storage/ssd_live_bytes``, ``storage/rows``
     (rows stored, all tiers), ``storage/dram_bytes`` (memory tiers with their bookkeeping
     and the SSD index), ``storage/index_bytes_per_row`` (the SSD index per row stored
-    there) and ``storage/rss_bytes``; rows and SSD GiB also on the progress bar.
+    there) and ``storage/rss_bytes``; rows and SSD GiB also on the progress bar. Where
+    tables admit ids selectively: ``storage/rows_admitted`` and ``storage/rows_rejected``
+    (so far), and per table ``storage/admitted/<table>`` and ``storage/rejected/<table>``.
 
     With ``stop_at_ssd_bytes`` (bytes, or a string such as ``"36GB"`` or ``"1.5xRAM"``),
     training stops once the live rows on SSD reach it, and before training starts the SSD
@@ -112,7 +114,20 @@ class StorageMonitor(Callback):
         return {"storage/ssd_bytes": float(total["ssd_bytes"]), "storage/ssd_live_bytes": float(total["ssd_live_bytes"]),
                 "storage/rows": float(rows), "storage/dram_bytes": float(total["dram_bytes"]),
                 "storage/index_bytes_per_row": total["ssd_index_bytes"] / max(total["ssd_rows"], 1),
-                "storage/rss_bytes": float(resident_bytes())}
+                "storage/rss_bytes": float(resident_bytes()), **self._admission()}
+
+    def _admission(self) -> dict[str, float]:
+        per_table: dict[str, dict[str, int]] = {}
+        for collection in self._collections:
+            per_table.update(collection.admission_counts())
+        if not per_table:
+            return {}
+        out = {"storage/rows_admitted": float(sum(c["admitted"] for c in per_table.values())),
+               "storage/rows_rejected": float(sum(c["rejected"] for c in per_table.values()))}
+        for name, counts in per_table.items():
+            out[f"storage/admitted/{name}"] = float(counts["admitted"])
+            out[f"storage/rejected/{name}"] = float(counts["rejected"])
+        return out
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -75,6 +75,11 @@ class TableEngine(ABC):
         """Replace every stored row by a snapshot's, from any number of ranks; each rank
         keeps the rows it owns. Not collective."""
 
+    def admission_counts(self) -> dict[str, dict[str, int]]:
+        """Per table that admits ids selectively, rows ``admitted`` and ``rejected`` so far
+        by this rank (an owner decides for its rows)."""
+        return {}
+
     def sightings(self) -> dict[str, np.ndarray]:
         """Per table that counts sightings for admission, its whole sketch
         (:meth:`SightingSketch.state`, every rank's partitions joined). Collective when

@@ -151,6 +151,10 @@ class LocalTables(TableEngine):
                              "steps": int(state["steps"][local])}
         return out
 
+    def admission_counts(self) -> dict[str, dict[str, int]]:
+        return {name: dict(counts) for group in self.groups if group.admission is not None
+                for name, counts in group.admission.per_table.items()}
+
     def sightings(self) -> dict[str, np.ndarray]:
         return {name: counts for group in self.groups if group.admission is not None
                 for name, counts in group.admission.state().items()}

@@ -401,6 +401,11 @@ class TieredEmbeddingBagCollection(nn.Module):
         (``ssd_write_us``, ``ssd_clean_us``, ``index_grow_us``)."""
         return self._built().counters()
 
+    def admission_counts(self) -> dict[str, dict[str, int]]:
+        """Per table that admits ids selectively (``admission``), the rows this rank
+        ``admitted`` and ``rejected`` so far (each owner counts its own rows)."""
+        return self._built().admission_counts()
+
     def storage_stats(self) -> dict[str, int]:
         """What this rank's tiers hold now: ``ssd_rows``, ``ssd_bytes`` (the files on disk),
         ``ssd_live_bytes``, ``ssd_index_bytes``, ``memory_rows`` and ``dram_bytes`` (memory

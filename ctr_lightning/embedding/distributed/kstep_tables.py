@@ -295,6 +295,9 @@ class KStepTables(TableEngine):
     def counters(self) -> dict[str, int]:
         return self.shard.counters()
 
+    def admission_counts(self) -> dict[str, dict[str, int]]:
+        return self.shard.admission_counts()
+
     def sightings(self) -> dict[str, np.ndarray]:
         self.merge()  # the interval's sightings reach the owners' sketches
         return gather_sightings(self.shard.sightings(), self.process_group)

@@ -279,6 +279,9 @@ class ShardedTables(TableEngine):
             return self.replicas.local.rows(table, ids)
         return owners_rows(self.local, self.tables, table, self.owns(table, ids), ids, self.process_group)
 
+    def admission_counts(self) -> dict[str, dict[str, int]]:
+        return self.local.admission_counts()
+
     def sightings(self) -> dict[str, np.ndarray]:
         return gather_sightings(self.local.sightings(), self.process_group)
 

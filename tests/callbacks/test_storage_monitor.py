@@ -1,0 +1,33 @@
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from ctr_lightning.callbacks import StorageMonitor
+from ctr_lightning.datamodules import CriteoDataModule, write_synthetic_criteo
+from ctr_lightning.embedding import Admission
+from ctr_lightning.models import DLRMModule
+
+
+def test_admission_counts_per_table_reach_tensorboard(tmp_path):
+    data = write_synthetic_criteo(tmp_path / "day.tsv", rows=600, seed=0)
+    module = DLRMModule(num_embeddings=1000, embedding_dim=4, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1],
+                        admission=Admission(admit_after=2))
+    monitor = StorageMonitor(every_n_steps=1)
+    trainer = pl.Trainer(max_steps=6, logger=TensorBoardLogger(tmp_path / "tb", name="", version=""),
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         log_every_n_steps=1, callbacks=[monitor])
+    trainer.fit(module, datamodule=CriteoDataModule(train_paths=str(data), batch_size=100))
+    counts = module.embeddings.admission_counts()
+    assert set(counts) == {f"t_{name}" for name in module.sparse_feature_names}
+    admitted = sum(c["admitted"] for c in counts.values())
+    rejected = sum(c["rejected"] for c in counts.values())
+    assert admitted > 0 and rejected > 0
+    assert admitted == module.embeddings.tier_stats()["rows_admitted"]
+    assert monitor.last["storage/rows_admitted"] == admitted and monitor.last["storage/rows_rejected"] == rejected
+    # Every row stored was admitted (no rows before admission).
+    assert monitor.last["storage/rows"] == admitted
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    table = next(iter(counts))
+    assert events.Scalars(f"storage/admitted/{table}")[-1].value == counts[table]["admitted"]
+    assert events.Scalars("storage/rows_rejected")[-1].value == rejected
