@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -97,6 +98,8 @@ class LogDataModule(pl.LightningDataModule):
         if follow and (online or not train_paths):
             raise ValueError("follow mode trains the slices of train_paths as they land: give train_paths, and not "
                              "online (follow is the online mode of a log still being written)")
+        if follow:
+            _check_time_order(train_paths, shuffle_shards)
         if poll_seconds <= 0 or (idle_timeout is not None and idle_timeout < 0):
             raise ValueError(f"poll_seconds must be > 0 and idle_timeout >= 0 or None, got {poll_seconds}, "
                              f"{idle_timeout}")
@@ -351,6 +354,19 @@ class LogDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> BatchDataLoader:
         return self._dataloader("predict")
+
+
+def _check_time_order(paths: Sequence[str] | str, shuffle: bool) -> None:
+    """Follow mode trains slices in time order, as they land: refuse what has none."""
+    if shuffle:
+        raise ValueError("follow mode trains each time slice in order as it lands; shuffle_shards would deal its "
+                         "pieces in another order: set shuffle_shards false")
+    listed = [paths] if isinstance(paths, str) else list(paths)
+    fixed = [p for p in listed if not (set("*?[") & set(p)) and os.path.isfile(p)]
+    if fixed:
+        raise ValueError(f"follow mode needs train_paths where new files land in time order (a directory, a glob, "
+                         f"or Hive partitions such as logs/dt=*/hour=*): {fixed} name fixed files, which never grow "
+                         f"into new slices")
 
 
 def _epoch_trained(trainer: pl.Trainer) -> bool:

@@ -67,3 +67,17 @@ def test_wait_for_ends_on_a_stop_file_or_an_idle_timeout(tmp_path):
     assert not followed.wait_for(2, poll_seconds=0.01, idle_timeout=5, stop_file=str(stop))
     stop.unlink()
     assert followed.wait_for(2, poll_seconds=0.01, idle_timeout=5, stop_file=str(stop))
+
+
+def test_follow_mode_without_a_time_order_is_refused(tmp_path):
+    from ctr_lightning.datamodules import CriteoDataModule
+
+    land(tmp_path, 1, 0)
+    with pytest.raises(ValueError, match="shuffle_shards"):
+        CriteoDataModule(train_paths=str(tmp_path), follow=True, shuffle_shards=True)
+    fixed = str(tmp_path / "dt=2026-12-01" / "hour=00" / "part-0.tsv")
+    with pytest.raises(ValueError, match="name fixed files"):
+        CriteoDataModule(train_paths=[fixed], follow=True)
+    with pytest.raises(ValueError, match="not online"):
+        CriteoDataModule(train_paths=str(tmp_path), follow=True, online=True)
+    CriteoDataModule(train_paths=str(tmp_path / "dt=*" / "hour=*" / "*.tsv"), follow=True)  # a glob: fine
