@@ -1,7 +1,17 @@
-"""Follow mode in a real Trainer: slices taken as they land, resumed exactly from a checkpoint."""
+"""Follow mode in a real Trainer: slices taken as they land, resumed exactly from a checkpoint
+and after a SIGKILL (real processes through the CLI)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ModelCheckpoint
+import pytest
+import torch
+import yaml
 
 from ctr_lightning.datamodules import CriteoDataModule, write_synthetic_criteo
 from ctr_lightning.models import DLRMModule
@@ -51,17 +61,78 @@ def test_a_slice_landing_during_training_is_trained_next_and_one_being_written_i
     assert trainer.global_step == 8 and trainer.should_stop  # ended by idle_timeout, after a whole slice
 
 
-def test_a_resume_goes_on_at_the_batch_after_the_checkpoint_with_the_slices_it_had(tmp_path):
-    root = tmp_path / "logs"
-    for hour in (0, 1):
-        land(root, hour)
-    straight = Seen()
-    fit(root, [straight], enable_checkpointing=False)
-    first = Seen()
-    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1)
-    fit(root, [first, checkpoints], max_steps=6)  # stops in the middle of hour 01
-    second = Seen(on_first_batch=lambda: land(root, 2))  # a slice lands after the resume
-    fit(root, [second], ckpt_path=str(tmp_path / "ckpt" / "epoch=1-step=6.ckpt"), enable_checkpointing=False)
-    assert len(first.batches) == 6
-    assert first.batches + second.batches[:2] == straight.batches  # nothing trained twice, nothing skipped
-    assert [b[0] for b in second.batches[2:]] == ["hour=02"] * 4
+RECORDER = """
+import json, os, signal
+from lightning.pytorch.callbacks import Callback
+
+class Record(Callback):
+    '''Appends each training batch's step, slice and fingerprint to a JSON-lines file; with
+    kill_at, SIGKILLs the process at the end of that step.'''
+
+    def __init__(self, path: str, kill_at: int = 0):
+        self.path, self.kill_at = path, kill_at
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        files = trainer.datamodule.epoch_files["train"]
+        with open(self.path, "a") as f:
+            f.write(json.dumps([trainer.global_step, files[0].rsplit("/", 2)[-2],
+                                round(float(batch.dense.sum()), 3), int(batch.labels.sum())]) + "\\n")
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _follow_config(tmp_path, name, kill_at):
+    config = {
+        "seed_everything": 0,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 12, "enable_progress_bar": False,
+                    "reload_dataloaders_every_n_epochs": 1, "max_epochs": 20, "num_sanity_val_steps": 0,
+                    "logger": {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                               "init_args": {"save_dir": str(tmp_path / "runs"), "name": name}},
+                    "callbacks": [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                   "init_args": {"every_n_train_steps": 3, "save_last": True}},
+                                  {"class_path": "recorder.Record",
+                                   "init_args": {"path": str(tmp_path / f"{name}.jsonl"), "kill_at": kill_at}}]},
+        "model": {"embedding_dim": 4, "num_embeddings": 1000, "dense_arch_layer_sizes": [4],
+                  "over_arch_layer_sizes": [4, 1]},
+        "data": {"class_path": "ctr_lightning.datamodules.CriteoDataModule",
+                 "init_args": {"train_paths": str(tmp_path / "logs"), "batch_size": 100, "follow": True,
+                               "poll_seconds": 0.05, "idle_timeout": 0.5}},
+    }
+    path = tmp_path / f"{name}-{kill_at}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_a_sigkill_in_the_middle_of_a_slice_resumes_at_the_next_batch(tmp_path):
+    for hour in (0, 1, 2):
+        land(tmp_path / "logs", hour)
+    (tmp_path / "recorder.py").write_text(RECORDER)
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(tmp_path))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "ctr_lightning.cli", "fit", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(1) as pool:
+        straight = pool.submit(run, "--config", _follow_config(tmp_path, "full", 0))
+        killed = run("--config", _follow_config(tmp_path, "run", 7))  # step 7: the 3rd batch of hour 01
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        resumed = run("--config", _follow_config(tmp_path, "run", 0), "--ckpt_path", "last")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert straight.result().returncode == 0, straight.result().stderr[-3000:]
+    full = [json.loads(line) for line in (tmp_path / "full.jsonl").read_text().splitlines()]
+    run_log = [json.loads(line) for line in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert [r[0] for r in full] == list(range(12)) and [r[1] for r in full] == ["hour=00"] * 4 + ["hour=01"] * 4 + [
+        "hour=02"] * 4
+    # Killed after step 7, last checkpoint at step 6: the resume trains the 7th batch again, then on.
+    assert run_log[:7] == full[:7] and run_log[7:] == full[6:]
+    a = torch.load(tmp_path / "runs" / "full" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "runs" / "run" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert a["global_step"] == b["global_step"] == 12
+    for key, value in a["state_dict"].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, b["state_dict"][key]), key
