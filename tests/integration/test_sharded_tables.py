@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -79,9 +81,11 @@ if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-tim
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_equal_one_process(tmp_path, run_ranks):
-    for world in (1, 2):  # the script joins its own gloo group, so no launcher variables
-        run_ranks(RANK_SCRIPT, [str(world), str(tmp_path), "{port}"], world=world, ddp_env=False)
+def test_two_gloo_ranks_equal_one_process(tmp_path, run_ranks, monkeypatch):
+    # The one-process reference runs here; the 2 ranks join their own gloo group (no launcher variables).
+    monkeypatch.setattr(sys, "argv", ["rank", "0", "1", str(tmp_path), "0"])
+    exec(compile(RANK_SCRIPT, "rank_script", "exec"), {"__name__": "__main__"})
+    run_ranks(RANK_SCRIPT, ["2", str(tmp_path), "{port}"], world=2, ddp_env=False)
     one_rows = {label: torch.load(tmp_path / f"{label}_1.pt", weights_only=False)["rows"]
                 for label in ("data_parallel", "replicas")}
     for label in ("row_wise", "table_wise", "data_parallel", "mixed", "replicas"):
