@@ -99,6 +99,9 @@ def test_tiers_of_one_process_share_a_directory_and_free_it_once_gone(tmp_path):
     train(first)
     train(second)
     assert (ssd / LOCK_FILE).read_text().strip() == str(os.getpid())
+    # An SSD write still in its thread keeps its collection alive until it is done: wait for
+    # them (storage_stats drains the writes), so that deleting the collections frees the lock.
+    first.storage_stats(), second.storage_stats()
     del first, second
     gc.collect()
     holder, _ = start_holder(ssd)  # another process may use it now
