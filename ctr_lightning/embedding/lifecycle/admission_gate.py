@@ -31,12 +31,17 @@ class AdmissionGate:
         self.sketches = [SightingSketch(n, s.sketch_bytes, s.seed, *p) if s is not None and s.counts else None
                          for n, s, p in zip(self.names, self.settings, partitions)]
         self.filtering = np.array([s is not None for s in self.settings], dtype=bool)
-        self.counters = {"rows_admitted": 0, "rows_rejected": 0}
         self.per_table = {n: {"admitted": 0, "rejected": 0} for n, s in zip(self.names, self.settings) if s is not None}
 
     @property
     def active(self) -> bool:
         return bool(self.filtering.any())
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Rows admitted and rejected so far, over this group's tables."""
+        return {"rows_admitted": sum(c["admitted"] for c in self.per_table.values()),
+                "rows_rejected": sum(c["rejected"] for c in self.per_table.values())}
 
     def admit(self, tables: np.ndarray, ids: np.ndarray, sightings: np.ndarray | None,
               steps: np.ndarray) -> np.ndarray:
@@ -44,17 +49,14 @@ class AdmissionGate:
         occurrences in this training batch (None: not training, so nothing is admitted
         where a table filters); ``steps``: the tables' step counts (the draws' clock)."""
         admitted = ~self.filtering[tables]
+        if sightings is None:
+            return admitted
         for t in np.unique(tables[self.filtering[tables]]):
             mine = np.flatnonzero(tables == t)
-            if sightings is not None:
-                admitted[mine] = self._decide(int(t), ids[mine], sightings[mine], int(steps[t]))
-            name = self.names[t]
-            taken = int(admitted[mine].sum()) if sightings is not None else 0
-            if sightings is not None:
-                self.per_table[name]["admitted"] += taken
-                self.per_table[name]["rejected"] += len(mine) - taken
-                self.counters["rows_admitted"] += taken
-                self.counters["rows_rejected"] += len(mine) - taken
+            admitted[mine] = self._decide(int(t), ids[mine], sightings[mine], int(steps[t]))
+            taken = int(admitted[mine].sum())
+            self.per_table[self.names[t]]["admitted"] += taken
+            self.per_table[self.names[t]]["rejected"] += len(mine) - taken
         return admitted
 
     def _decide(self, table: int, ids: np.ndarray, sightings: np.ndarray, step: int) -> np.ndarray:
