@@ -113,6 +113,13 @@ def run_ranks(free_port):
     return functools.partial(launch_ranks, port=free_port)
 
 
+@pytest.fixture(scope="session")
+def run_ranks_in_fixture():
+    """:func:`launch_ranks` on a fresh free port each call, for fixtures wider than one test
+    (one launch whose runs several tests check)."""
+    return lambda script, args, world, **kwargs: launch_ranks(script, args, world, port=_free_port(), **kwargs)
+
+
 def launch_ranks(script: str, args: list[str], world: int, port: int, timeout: float = 300,
                  ddp_env: bool = True) -> list[dict]:
     """Run ``script`` as ``world`` processes of a process group on 127.0.0.1 and return the

@@ -125,7 +125,7 @@ def test_storage_given_on_the_command_line_wins_over_the_checkpoints(tmp_path, i
     assert steps_of(tmp_path / "runs" / "demo" / run / "checkpoints" / "last.ckpt") == 24
 
 
-def test_ckpt_path_last_with_no_checkpoint_starts_fresh_in_the_dead_runs_directory(tmp_path):
+def test_ckpt_path_last_with_no_checkpoint_starts_fresh_in_the_dead_runs_directory(tmp_path, in_process):
     fresh = run_cli(*demo(tmp_path, "--trainer.max_steps", "3"), "--ckpt_path", "last",
                     env={"CTR_LIGHTNING_KILL_AT": "train_step:2"})
     assert fresh.returncode != 0  # killed in its second step, before any checkpoint
@@ -134,8 +134,14 @@ def test_ckpt_path_last_with_no_checkpoint_starts_fresh_in_the_dead_runs_directo
     assert "save_last" not in out
     assert [p.name for p in (tmp_path / "runs" / "demo").iterdir()] == ["version_0"]
 
-    retry = run_cli(*demo(tmp_path, "--trainer.max_steps", "3"), "--ckpt_path", "last")
-    assert retry.returncode == 0, retry.stderr[-3000:]
-    assert "starting afresh in" in retry.stdout + retry.stderr
+    # The retry (nothing to kill in it) runs in this process.
+    lightning_log = _Records()
+    logging.getLogger("lightning.pytorch").addHandler(lightning_log)
+    try:
+        in_process(demo(tmp_path, "--trainer.max_steps", "3", "--ckpt_path", "last"))
+    finally:
+        logging.getLogger("lightning.pytorch").removeHandler(lightning_log)
+    assert any(f"--ckpt_path last: starting afresh in {tmp_path / 'runs' / 'demo' / 'version_0'}" in m
+               for m in lightning_log.messages), lightning_log.messages
     assert [p.name for p in (tmp_path / "runs" / "demo").iterdir()] == ["version_0"]  # no stray version_1
     assert steps_of(tmp_path / "runs" / "demo" / "version_0" / "checkpoints" / "last.ckpt") == 3

@@ -101,22 +101,29 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from ctr_lightning.datamodules import CriteoDataModule
 from ctr_lightning.models import DLRMModule
 
-rank, path, out, resume = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "resume"
-seen = {}
+rank, path, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 
 class Seen(pl.Callback):
+    def __init__(self):
+        self.seen = {}
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         rows = batch.sparse.values().reshape(26, len(batch)).T  # a row's 26 ids tell it apart
-        seen.setdefault(trainer.current_epoch, []).extend(",".join(map(str, r)) for r in rows.tolist())
+        self.seen.setdefault(trainer.current_epoch, []).extend(",".join(map(str, r)) for r in rows.tolist())
 
-dm = CriteoDataModule(train_paths=[path], batch_size=50, shuffle_shards=True, shuffle_seed=7)
-model = DLRMModule(num_embeddings=1000, embedding_dim=4, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
-callbacks = [Seen(), ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), filename="{step}", every_n_train_steps=17,
-                                     save_top_k=-1)]
-trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, max_steps=-1 if resume else 17,
-                     logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
-trainer.fit(model, datamodule=dm, ckpt_path=os.path.join(out, "ckpt", "step=17.ckpt") if resume else None)
-print("RESULT " + json.dumps({"rank": rank, "seen": seen}), flush=True)
+# The first run, then the resumed one, in turn in these processes: the resumed run a fresh
+# data module, model and Trainer with only the first one's checkpoint to go on.
+def fit(resume):
+    dm = CriteoDataModule(train_paths=[path], batch_size=50, shuffle_shards=True, shuffle_seed=7)
+    model = DLRMModule(num_embeddings=1000, embedding_dim=4, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
+    seen = Seen()
+    callbacks = [seen, ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), filename="{step}", every_n_train_steps=17,
+                                       save_top_k=-1)]
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, max_steps=-1 if resume else 17,
+                         logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)
+    trainer.fit(model, datamodule=dm, ckpt_path=os.path.join(out, "ckpt", "step=17.ckpt") if resume else None)
+    return seen.seen
+
+print("RESULT " + json.dumps({"rank": rank, "first": fit(False), "resumed": fit(True)}), flush=True)
 import torch.distributed as _dist
 if _dist.is_initialized():
     _dist.destroy_process_group()
@@ -127,11 +134,10 @@ if _dist.is_initialized():
 def test_rotating_shards_resume_exactly_on_two_ranks(tmp_path, run_ranks):
     # 1,200 rows, 600 a rank, 12 steps an epoch: the first run stops 5 steps into epoch 1.
     path = write_synthetic_criteo(tmp_path / "day_0.tsv", rows=1200, seed=0)
-    first = sorted(run_ranks(ROTATION_SCRIPT, [str(path), str(tmp_path), "first"], world=2), key=lambda r: r["rank"])
-    second = sorted(run_ranks(ROTATION_SCRIPT, [str(path), str(tmp_path), "resume"], world=2), key=lambda r: r["rank"])
+    ranks = sorted(run_ranks(ROTATION_SCRIPT, [str(path), str(tmp_path)], world=2), key=lambda r: r["rank"])
     everything = []
-    for a, b in zip(first, second):
-        epoch0, epoch1_before, epoch1_after = a["seen"]["0"], a["seen"]["1"], b["seen"]["1"]
+    for a, b in ((r["first"], r["resumed"]) for r in ranks):
+        epoch0, epoch1_before, epoch1_after = a["0"], a["1"], b["1"]
         assert len(epoch0) == 600 and len(epoch1_before) == 5 * 50 and len(epoch1_after) == 600 - 5 * 50
         assert not set(epoch1_before) & set(epoch1_after)  # none repeated, none lost
         everything.append((set(epoch0), set(epoch1_before) | set(epoch1_after)))

@@ -95,9 +95,11 @@ def run(config):
     checkpoint_every = config.pop("checkpoint_every", None)
     resume = config.pop("resume", None)
     tag = config.pop("tag", kind)
+    run_dir = os.path.join(out_dir, config.pop("dir", ""))  # where this run's files go
+    os.makedirs(run_dir, exist_ok=True)
     callbacks = [Record()]
     if checkpoint_every:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out_dir, "ckpt"), filename="{step}",
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(run_dir, "ckpt"), filename="{step}",
                                                       every_n_train_steps=checkpoint_every, save_top_k=-1))
     strategy = "ddp" if kind == "ddp" else KStepAdamStrategy(**config)
     trainer = pl.Trainer(accelerator="cpu", devices=world_size, strategy=strategy,
@@ -108,13 +110,13 @@ def run(config):
     module = {"two_adam": TwoOptimizers, "step_data": lambda: StepData("adam")}.get(optimizer, lambda: MLP(optimizer))()
     trainer.fit(module, DataLoader(data, batch_size=16),
                 DataLoader(data, batch_size=16) if val_check_interval else None,
-                ckpt_path=os.path.join(out_dir, "ckpt", resume) if resume else None)
+                ckpt_path=os.path.join(run_dir, "ckpt", resume) if resume else None)
     opt = trainer.optimizers[0]
     state = [opt.state[p] for p in trainer.lightning_module.parameters()]
     torch.save({"history": history, "stepped": stepped, "moments": moments, "stepped_moments": stepped_moments,
                 "validated": validated, "started": started, "final": flat(trainer.lightning_module),
                 "exp_avg": [s.get("exp_avg") for s in state]},
-               os.path.join(out_dir, f"{tag}_{rank}.pt"))
+               os.path.join(run_dir, f"{tag}_{rank}.pt"))
     result = {"rank": rank}
     if kind != "ddp":
         result.update(merges=strategy.merges, divergence=strategy.last_divergence,
@@ -143,11 +145,44 @@ def _history(tmp_path, kind, rank):
     return torch.load(tmp_path / f"{kind}_{rank}.pt", weights_only=False)
 
 
+# Every 2-rank run the tests below check, by the directory it writes to (its histories as
+# "<tag>_<rank>.pt", its checkpoints under "ckpt"). They run one after another in one launch
+# of 2 processes, each a fresh module, strategy and Trainer (as test_resume_continues_the_kstep_schedule's
+# runs always did), so the tests share the processes' start-up instead of paying for it once each.
+K4 = dict(strategy="kstep", k=4, mode="all")
+RESUMED = dict(K4, optimizer="step_data", checkpoint_every=2, moment_dtype="float32", dir="resume")
+TWO_RANK_RUNS = [
+    dict(strategy="ddp", dir="ddp"),
+    dict(strategy="kstep", k=1, mode="all", dir="k1"),
+    dict(K4, warmup_steps=2, dir="k4_warmup"),
+    dict(K4, optimizer="two_adam", dir="two_adam"),
+    dict(K4, val_check_interval=6, moment_dtype="float32", dir="validated"),
+    dict(K4, checkpoint_every=6, moment_dtype="float32", dir="checkpointed"),
+    dict(K4, moment_dtype="bfloat16", bucket_bytes=25 << 20, dir="moments_bfloat16"),
+    dict(K4, moment_dtype="float32", bucket_bytes=64, dir="moments_float32"),
+    dict(K4, overlap=True, dir="overlap"),
+    dict(K4, dir="plain"),
+    # The uninterrupted run, then runs resumed from its checkpoints at a merge step and
+    # between merges, with only the checkpoint to go on.
+    dict(RESUMED, tag="full"),
+    dict(RESUMED, tag="from8", resume="step=8.ckpt"),
+    dict(RESUMED, tag="from6", resume="step=6.ckpt"),
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, run_ranks_in_fixture):
+    """The directory of :data:`TWO_RANK_RUNS`' files, and the results of each run (by its
+    directory; the resumed ones aside) by rank."""
+    out = tmp_path_factory.mktemp("kstep_two_ranks")
+    per_rank = run_ranks_in_fixture(RANK_SCRIPT, [json.dumps(TWO_RANK_RUNS), str(out)], world=2)
+    return out, {run["dir"]: [r[i] for r in per_rank] for i, run in enumerate(TWO_RANK_RUNS) if "tag" not in run}
+
+
 @pytest.mark.slow
-def test_k1_all_equals_lightning_ddp(tmp_path, run_ranks):
-    _run(run_ranks, tmp_path, 2, strategy="ddp")
-    _run(run_ranks, tmp_path, 2, strategy="kstep", k=1, mode="all")
-    ddp, kstep = _history(tmp_path, "ddp", 0), _history(tmp_path, "kstep", 0)
+def test_k1_all_equals_lightning_ddp(two_ranks):
+    out, _ = two_ranks
+    ddp, kstep = _history(out / "ddp", "ddp", 0), _history(out / "k1", "kstep", 0)
     assert len(ddp["history"]) == len(kstep["history"]) == 12
     for a, b in zip(ddp["history"], kstep["history"]):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=0)  # after every one of the 12 steps
@@ -156,9 +191,9 @@ def test_k1_all_equals_lightning_ddp(tmp_path, run_ranks):
 
 
 @pytest.mark.slow
-def test_k4_ranks_diverge_between_merges_and_agree_after(tmp_path, run_ranks):
-    results = _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", warmup_steps=2)
-    a, b = (_history(tmp_path, "kstep", r) for r in range(2))
+def test_k4_ranks_diverge_between_merges_and_agree_after(two_ranks):
+    out, results = two_ranks[0] / "k4_warmup", two_ranks[1]["k4_warmup"]
+    a, b = (_history(out, "kstep", r) for r in range(2))
     # Warm-up steps 1-2 are synchronous; then merges after steps 6 and 10 (2 + 4k).
     for step in range(12):
         same = torch.equal(a["history"][step], b["history"][step])
@@ -174,11 +209,11 @@ def test_k4_ranks_diverge_between_merges_and_agree_after(tmp_path, run_ranks):
 
 
 @pytest.mark.slow
-def test_every_merge_covers_every_optimizer(tmp_path, run_ranks):
+def test_every_merge_covers_every_optimizer(two_ranks):
     # 12 optimizer steps in 6 batches; merges at steps 4, 8 and 12 all fall on the second
     # optimizer's step, and must still average the first optimizer's layer too.
-    results = _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", optimizer="two_adam")
-    a, b = (_history(tmp_path, "kstep", r) for r in range(2))
+    out, results = two_ranks[0] / "two_adam", two_ranks[1]["two_adam"]
+    a, b = (_history(out, "kstep", r) for r in range(2))
     assert len(a["history"]) == 6
     for batch in range(6):
         assert torch.equal(a["history"][batch], b["history"][batch]) == (batch in (1, 3, 5)), batch
@@ -186,10 +221,9 @@ def test_every_merge_covers_every_optimizer(tmp_path, run_ranks):
 
 
 @pytest.mark.slow
-def test_validation_sees_the_merged_model_and_the_schedule_goes_on(tmp_path, run_ranks):
-    results = _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", val_check_interval=6,
-                   moment_dtype="float32")
-    a, b = (_history(tmp_path, "kstep", r) for r in range(2))
+def test_validation_sees_the_merged_model_and_the_schedule_goes_on(two_ranks):
+    out, results = two_ranks[0] / "validated", two_ranks[1]["validated"]
+    a, b = (_history(out, "kstep", r) for r in range(2))
     # Merges after steps 4 and 8 (every k) and 12, and when validation starts after step 6.
     assert [v[0] for v in a["validated"]] == [6, 12]
     step6, model, moments = a["validated"][0]
@@ -205,13 +239,12 @@ def test_validation_sees_the_merged_model_and_the_schedule_goes_on(tmp_path, run
 
 
 @pytest.mark.slow
-def test_a_checkpoint_between_merges_holds_the_merged_model_and_training_goes_on(tmp_path, run_ranks):
-    results = _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", checkpoint_every=6,
-                   moment_dtype="float32")
-    a, b = (_history(tmp_path, "kstep", r) for r in range(2))
+def test_a_checkpoint_between_merges_holds_the_merged_model_and_training_goes_on(two_ranks):
+    out, results = two_ranks[0] / "checkpointed", two_ranks[1]["checkpointed"]
+    a, b = (_history(out, "kstep", r) for r in range(2))
 
     def saved(step):
-        ckpt = torch.load(tmp_path / "ckpt" / f"step={step}.ckpt", weights_only=False)
+        ckpt = torch.load(out / "ckpt" / f"step={step}.ckpt", weights_only=False)
         model = torch.cat([v.reshape(-1) for v in ckpt["state_dict"].values()])
         adam = ckpt["optimizer_states"][0]["state"]
         return model, torch.cat([adam[i][name].reshape(-1) for i in sorted(adam) for name in ("exp_avg", "exp_avg_sq")])
@@ -234,13 +267,12 @@ def test_a_checkpoint_between_merges_holds_the_merged_model_and_training_goes_on
 
 @pytest.mark.slow
 @pytest.mark.parametrize("moment_dtype, bucket_bytes", [("bfloat16", 25 << 20), ("float32", 64)])
-def test_merges_average_parameters_exactly_and_moments_in_moment_dtype(tmp_path, run_ranks, moment_dtype,
-                                                                       bucket_bytes):
+def test_merges_average_parameters_exactly_and_moments_in_moment_dtype(two_ranks, moment_dtype, bucket_bytes):
     # 64-byte buckets split each merge into dozens of buckets (and the 33-float layer across
     # them): the averages must be the same as in one bucket.
-    _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", moment_dtype=moment_dtype,
-         bucket_bytes=bucket_bytes)
-    a, b = (_history(tmp_path, "kstep", r) for r in range(2))
+    (run,) = [r for r in TWO_RANK_RUNS if r == dict(K4, moment_dtype=moment_dtype, bucket_bytes=bucket_bytes,
+                                                      dir=r["dir"])]
+    a, b = (_history(two_ranks[0] / run["dir"], "kstep", r) for r in range(2))
     for step in (3, 7, 11):  # merges after steps 4, 8 and 12
         torch.testing.assert_close(a["history"][step], (a["stepped"][step] + b["stepped"][step]) / 2,
                                    atol=1e-7, rtol=0)
@@ -257,9 +289,9 @@ def test_merges_average_parameters_exactly_and_moments_in_moment_dtype(tmp_path,
 
 
 @pytest.mark.slow
-def test_overlapped_merges_correct_each_rank_by_the_average_of_a_snapshot(tmp_path, run_ranks):
-    results = _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all", overlap=True)
-    runs = [_history(tmp_path, "kstep", r) for r in range(2)]
+def test_overlapped_merges_correct_each_rank_by_the_average_of_a_snapshot(two_ranks):
+    out, results = two_ranks[0], two_ranks[1]["overlap"]
+    runs = [_history(out / "overlap", "kstep", r) for r in range(2)]
     # Merges start after steps 4, 8 and 12 (snapshots of the models then) and are applied
     # after steps 8 and 12 and at the end of fit: x += mean(snapshot) - own snapshot.
     for start, applied in ((3, 7), (7, 11)):
@@ -277,30 +309,29 @@ def test_overlapped_merges_correct_each_rank_by_the_average_of_a_snapshot(tmp_pa
         torch.testing.assert_close(run["final"], final, atol=1e-6, rtol=0)
     assert [r["merges"] for r in results] == [3, 3] and results[0]["divergence"] > 0
     # The same run without overlap merges the models themselves after steps 4 and 8.
-    _run(run_ranks, tmp_path, 2, strategy="kstep", k=4, mode="all")
-    plain = [_history(tmp_path, "kstep", r) for r in range(2)]
+    plain = [_history(out / "plain", "kstep", r) for r in range(2)]
     assert torch.equal(plain[0]["history"][3], plain[1]["history"][3])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
-def test_resume_continues_the_kstep_schedule(tmp_path, run_ranks, world):
-    # Checkpoints every 2 steps; k=4 merges after steps 4, 8 and 12.
-    config = dict(strategy="kstep", k=4, mode="all", optimizer="step_data", checkpoint_every=2,
-                  moment_dtype="float32")
-    # The uninterrupted run, then the resumed ones, in turn in the same processes: each a
-    # fresh module, strategy and Trainer with only the checkpoint to go on, which lies
-    # before the step the run before it ended at.
-    runs = [dict(config, tag="full"), dict(config, tag="from8", resume="step=8.ckpt")]
+def test_resume_continues_the_kstep_schedule(tmp_path, request, world):
+    # Checkpoints every 2 steps; k=4 merges after steps 4, 8 and 12. The uninterrupted run,
+    # then the resumed ones, in turn in the same processes: each a fresh module, strategy
+    # and Trainer with only the checkpoint to go on, which lies before the step the run
+    # before it ended at (on 2 ranks: RESUMED's runs in TWO_RANK_RUNS).
     if world == 2:
-        runs.append(dict(config, tag="from6", resume="step=6.ckpt"))
-    _run_in_turn(run_ranks, tmp_path, world, *runs)
-    full = [_history(tmp_path, "full", r) for r in range(world)]
+        out = request.getfixturevalue("two_ranks")[0] / RESUMED["dir"]
+    else:
+        _run_in_turn(request.getfixturevalue("run_ranks"), tmp_path, world, dict(RESUMED, tag="full"),
+                     dict(RESUMED, tag="from8", resume="step=8.ckpt"))
+        out = tmp_path / RESUMED["dir"]
+    full = [_history(out, "full", r) for r in range(world)]
     assert all(len(run["history"]) == 12 for run in full)
     # From step 8, a merge step: every rank holds the merged model, and so does the
     # checkpoint; the resumed run ends where the uninterrupted one does, bit for bit.
     for rank in range(world):
-        resumed = _history(tmp_path, "from8", rank)
+        resumed = _history(out, "from8", rank)
         assert len(resumed["history"]) == 4  # steps 9-12
         assert torch.equal(resumed["final"], full[rank]["final"])
         for a, b in zip(resumed["exp_avg"], full[rank]["exp_avg"]):
@@ -309,7 +340,7 @@ def test_resume_continues_the_kstep_schedule(tmp_path, run_ranks, world):
         return
     # From step 6, between merges: the checkpoint holds the ranks' mean, every rank starts
     # from it, steps 7-8 run locally and the merge after step 8 keeps its place.
-    a, b = (_history(tmp_path, "from6", r) for r in range(2))
+    a, b = (_history(out, "from6", r) for r in range(2))
     assert len(a["history"]) == len(b["history"]) == 6  # steps 7-12
     mean = (full[0]["stepped"][5] + full[1]["stepped"][5]) / 2
     for run in (a, b):

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -31,37 +33,76 @@ def step(ebc, kjt):
 """
 exec(COMMON)
 
+# Runs one after another in the same 2 processes (each a fresh collection on SSD files of its
+# own), one per entry of the JSON list it is given, each saved as ``<label>.pt``; then a run
+# resumed between merges, whose merges each rank returns.
 RANK_SCRIPT = COMMON + r"""
 import os, sys, json
 import torch.distributed as dist
 from ctr_lightning.embedding import SparseAdam, StorageConfig, TieredEmbeddingBagCollection
-rank, port, out_dir, same, k, steps = (int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "same",
-                                       int(sys.argv[5]), int(sys.argv[6]))
-state_dtype = sys.argv[7] if len(sys.argv) > 7 else "float32"  # exact, unless a test asks otherwise
-evaluate_after = int(sys.argv[8]) if len(sys.argv) > 8 else -1  # an evaluation forward after this many steps
-label = sys.argv[4] + ("" if state_dtype == "float32" else "_" + state_dtype)
+rank, port, out_dir, runs = int(sys.argv[1]), sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-ebc = TieredEmbeddingBagCollection(
-    TABLES, optimizer=SparseAdam(lr=0.05), sparse_sync="k_step", sync_every=k, sharding={"t0": "row_wise", "t1": "table_wise"},
-    storage=StorageConfig(device_rows=40, host_rows=0, ssd_dir=os.path.join(out_dir, f"ssd_{label}")),
-    sync_state_dtype=state_dtype)
-for s in range(steps):
-    step(ebc, batch(s) if same else batch(100 * rank + s, quiet=rank == 1 and s in QUIET))
-    if s + 1 == evaluate_after:
-        ebc.eval()
-        with torch.inference_mode():  # as Lightning validates (but on gloo); the next steps still train
-            torch.save(ebc(batch(EVALUATED)).values(), os.path.join(out_dir, f"{label}_eval{rank}.pt"))
-        ebc.train()
-ebc.checkpoint_to_snapshots(None)  # whole rows in the state dict, asked for
-state = ebc.get_extra_state()  # collective: merges what is pending, gathers the shards
-if rank == 0:
-    torch.save({"state": state, "bytes": ebc.comm_bytes(), "stats": ebc.tier_stats()},
-               os.path.join(out_dir, f"{label}.pt"))
-print("RESULT {}", flush=True)
+
+# state_dtype: exact, unless a test asks otherwise; evaluate_after: an evaluation forward after this many steps.
+def fit(label, same, k, steps, state_dtype="float32", evaluate_after=-1):
+    ebc = TieredEmbeddingBagCollection(
+        TABLES, optimizer=SparseAdam(lr=0.05), sparse_sync="k_step", sync_every=k,
+        sharding={"t0": "row_wise", "t1": "table_wise"},
+        storage=StorageConfig(device_rows=40, host_rows=0, ssd_dir=os.path.join(out_dir, f"ssd_{label}")),
+        sync_state_dtype=state_dtype)
+    for s in range(steps):
+        step(ebc, batch(s) if same else batch(100 * rank + s, quiet=rank == 1 and s in QUIET))
+        if s + 1 == evaluate_after:
+            ebc.eval()
+            with torch.inference_mode():  # as Lightning validates (but on gloo); the next steps still train
+                torch.save(ebc(batch(EVALUATED)).values(), os.path.join(out_dir, f"{label}_eval{rank}.pt"))
+            ebc.train()
+    ebc.checkpoint_to_snapshots(None)  # whole rows in the state dict, asked for
+    state = ebc.get_extra_state()  # collective: merges what is pending, gathers the shards
+    if rank == 0:
+        torch.save({"state": state, "bytes": ebc.comm_bytes(), "stats": ebc.tier_stats()},
+                   os.path.join(out_dir, f"{label}.pt"))
+
+def resumed_merges():
+    # Merges every 4 steps after 4 synchronous ones, as a KStepAdamStrategy(k=4, warmup_steps=4) sets.
+    def collection():
+        ebc = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05), sparse_sync="k_step")
+        ebc.follow_merge_schedule(4, warmup_steps=4)
+        return ebc
+    ebc = collection()
+    for s in range(9):
+        step(ebc, batch(100 * rank + s))
+    resumed = collection()
+    ebc.checkpoint_to_snapshots(None)
+    resumed.set_extra_state(ebc.get_extra_state())  # a checkpoint after step 9, between merges
+    for s in range(9, 11):  # steps 10 and 11: local steps 6 and 7 of the k-step phase, no merge due
+        step(resumed, batch(100 * rank + s))
+    return resumed._built().merges
+
+for run in runs:
+    fit(**run)
+print("RESULT " + json.dumps({"resumed_merges": resumed_merges()}), flush=True)
 import torch.distributed as _dist
 if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
     _dist.destroy_process_group()
 """
+
+# The runs the tests below check, by label: in one launch of 2 processes, which they share.
+RUNS = [
+    dict(label="same", same=True, k=3, steps=9),
+    # Intervals of 2 steps; in the second, rank 1 touches no row of t1; an evaluation after step 7.
+    dict(label="different", same=False, k=2, steps=9, evaluate_after=7),
+    # Optimizer state on the wire exact, and in bfloat16.
+    dict(label="exact", same=False, k=2, steps=7),
+    dict(label="rounded", same=False, k=2, steps=7, state_dtype="bfloat16"),
+]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, run_ranks_in_fixture):
+    """The directory of every run's files (:data:`RUNS`), and the ranks' results."""
+    out = tmp_path_factory.mktemp("kstep_tables")
+    return out, run_ranks_in_fixture(RANK_SCRIPT, ["{port}", str(out), json.dumps(RUNS)], world=2, ddp_env=False)
 
 
 def by_id(table_state):
@@ -70,9 +111,8 @@ def by_id(table_state):
 
 
 @pytest.mark.slow
-def test_same_batches_on_both_ranks_equal_one_process(tmp_path, run_ranks):
-    run_ranks(RANK_SCRIPT, ["{port}", str(tmp_path), "same", "3", "9"], world=2, ddp_env=False)
-    got = torch.load(tmp_path / "same.pt", weights_only=False)
+def test_same_batches_on_both_ranks_equal_one_process(two_ranks):
+    got = torch.load(two_ranks[0] / "same.pt", weights_only=False)
     ref = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
     for s in range(9):
         step(ref, batch(s))
@@ -86,16 +126,16 @@ def test_same_batches_on_both_ranks_equal_one_process(tmp_path, run_ranks):
 
 
 @pytest.mark.slow
-def test_owners_average_the_deltas_of_the_ranks_that_touched_a_row(tmp_path, run_ranks):
+def test_owners_average_the_deltas_of_the_ranks_that_touched_a_row(two_ranks):
     # Intervals of 2 steps; in the second, rank 1 touches no row of t1 (and still takes part
     # in its sync). The 7th step is merged by an evaluation forward after it, between syncs,
     # which does not move the schedule (the 8th step still ends an interval); the 9th is
     # merged by the checkpoint taken after it.
-    k, steps, evaluated = 2, 9, 7
-    run_ranks(RANK_SCRIPT, ["{port}", str(tmp_path), "different", str(k), str(steps), "float32", str(evaluated)],
-              world=2, ddp_env=False)
-    got = torch.load(tmp_path / "different.pt", weights_only=False)["state"]["tables"]
-    scores = [torch.load(tmp_path / f"different_eval{rank}.pt") for rank in range(2)]
+    (run,) = [r for r in RUNS if r["label"] == "different"]
+    assert (run["k"], run["steps"], run["evaluate_after"]) == (2, 9, 7)  # as the reference below is built
+    evaluated = run["evaluate_after"]
+    got = torch.load(two_ranks[0] / "different.pt", weights_only=False)["state"]["tables"]
+    scores = [torch.load(two_ranks[0] / f"different_eval{rank}.pt") for rank in range(2)]
     # Reference: each interval, two single processes start from the merged state and train
     # k steps on their rank's batches; a row becomes base + mean delta of those that touched it.
     fresh = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05))
@@ -152,35 +192,11 @@ def test_owners_average_the_deltas_of_the_ranks_that_touched_a_row(tmp_path, run
         torch.testing.assert_close(gr, wr, atol=1e-5, rtol=0)
 
 
-RESUME_SCRIPT = COMMON + r"""
-import json, sys
-import torch.distributed as dist
-from ctr_lightning.embedding import SparseAdam, TieredEmbeddingBagCollection
-rank, port = int(sys.argv[1]), sys.argv[2]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-def collection():  # merges every 4 steps after 4 synchronous ones, as a KStepAdamStrategy(k=4, warmup_steps=4) sets
-    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05), sparse_sync="k_step")
-    ebc.follow_merge_schedule(4, warmup_steps=4)
-    return ebc
-ebc = collection()
-for s in range(9):
-    step(ebc, batch(100 * rank + s))
-resumed = collection()
-ebc.checkpoint_to_snapshots(None)
-resumed.set_extra_state(ebc.get_extra_state())  # a checkpoint after step 9, between merges
-for s in range(9, 11):  # steps 10 and 11: local steps 6 and 7 of the k-step phase, no merge due
-    step(resumed, batch(100 * rank + s))
-print("RESULT " + json.dumps({"merges": resumed._built().merges}), flush=True)
-dist.destroy_process_group()
-"""
-
-
 @pytest.mark.slow
-def test_a_resumed_run_keeps_the_tables_merge_schedule(run_ranks):
+def test_a_resumed_run_keeps_the_tables_merge_schedule(two_ranks):
     # Restarting the schedule at step 0 would run the warm-up again: step 10 synchronous,
     # so merged at step 11.
-    results = run_ranks(RESUME_SCRIPT, ["{port}"], world=2, ddp_env=False)
-    assert [r["merges"] for r in results] == [0, 0]
+    assert [r["resumed_merges"] for r in two_ranks[1]] == [0, 0]
 
 
 def test_bad_sparse_sync_arguments():
@@ -191,11 +207,9 @@ def test_bad_sparse_sync_arguments():
 
 
 @pytest.mark.slow
-def test_optimizer_state_in_bfloat16_on_the_wire_stays_near_the_exact_rule_for_fewer_bytes(tmp_path, run_ranks):
-    for dtype in ("float32", "bfloat16"):
-        run_ranks(RANK_SCRIPT, ["{port}", str(tmp_path), "different", "2", "7", dtype], world=2, ddp_env=False)
-    exact = torch.load(tmp_path / "different.pt", weights_only=False)
-    rounded = torch.load(tmp_path / "different_bfloat16.pt", weights_only=False)
+def test_optimizer_state_in_bfloat16_on_the_wire_stays_near_the_exact_rule_for_fewer_bytes(two_ranks):
+    exact = torch.load(two_ranks[0] / "exact.pt", weights_only=False)
+    rounded = torch.load(two_ranks[0] / "rounded.pt", weights_only=False)
     for name, dim in (("t0", 8), ("t1", 4)):
         (ei, er), (ri, rr) = by_id(exact["state"]["tables"][name]), by_id(rounded["state"]["tables"][name])
         assert torch.equal(ei, ri)

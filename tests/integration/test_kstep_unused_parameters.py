@@ -27,8 +27,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from ctr_lightning.strategies import KStepAdamStrategy
 
-rank, shapes, plan, runs, out_dir = (int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]),
-                                     sys.argv[5])
+rank, plan, runs, out_dir = int(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4]
+shapes = None  # each run's: whether tower b is shaped as tower a
 
 class Branchy(BoringModel):
     def __init__(self):
@@ -64,13 +64,15 @@ class Record(pl.Callback):
         self.states.append(state_of(trainer.optimizers[0], module))
 
 for run in runs:
-    tag, config = run.pop("tag"), run
+    tag, shapes, config = run.pop("tag"), run.pop("shapes"), run
+    run_dir = os.path.join(out_dir, shapes)
+    os.makedirs(run_dir, exist_ok=True)
     checkpoint_every = config.pop("checkpoint_every", None)
     pl.seed_everything(rank)  # different starting points: the strategy must make them equal
     record = Record()
     callbacks = [record]
     if checkpoint_every:
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out_dir, tag), filename="{step}",
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(run_dir, tag), filename="{step}",
                                                       every_n_train_steps=checkpoint_every, save_top_k=-1))
     strategy = (DDPStrategy(find_unused_parameters=True) if config.pop("strategy", "kstep") == "ddp"
                 else KStepAdamStrategy(**config))
@@ -83,7 +85,7 @@ for run in runs:
     torch.save({"params": record.params, "states": record.states, "taken": module.taken,
                 "final": torch.cat([p.detach().reshape(-1) for p in module.parameters()]),
                 "final_state": state_of(trainer.optimizers[0], module)},
-               os.path.join(out_dir, f"{tag}_{rank}.pt"))
+               os.path.join(run_dir, f"{tag}_{rank}.pt"))
 print("RESULT " + json.dumps({"rank": rank}), flush=True)
 import torch.distributed as _dist
 if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
@@ -91,10 +93,22 @@ if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-tim
 """
 
 
-def _fit(run_ranks, tmp_path, shapes, runs):
-    run_ranks(RANK_SCRIPT, [shapes, json.dumps(PLAN), json.dumps(runs), str(tmp_path)], world=2, timeout=240)
-    return {run["tag"]: [torch.load(tmp_path / f"{run['tag']}_{r}.pt", weights_only=False) for r in range(2)]
-            for run in runs}
+# The runs the tests below check, for each shape of tower b: one after another in one launch
+# of 2 processes (each a fresh module, strategy and Trainer), which the tests share.
+RUNS = [{"tag": "ddp", "strategy": "ddp"}, {"tag": "k1", "k": 1},
+        {"tag": "k4", "k": 4, "moment_dtype": "float32", "checkpoint_every": 2},
+        {"tag": "overlap", "k": 4, "overlap": True}]
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory, run_ranks_in_fixture):
+    """Every run's directory (its checkpoints by tag) and records by rank, by shapes and tag."""
+    out = tmp_path_factory.mktemp("unused_parameters")
+    runs = [dict(run, shapes=shapes) for shapes in ("same", "different") for run in RUNS]
+    run_ranks_in_fixture(RANK_SCRIPT, [json.dumps(PLAN), json.dumps(runs), str(out)], world=2, timeout=240)
+    return {shapes: (out / shapes, {run["tag"]: [torch.load(out / shapes / f"{run['tag']}_{r}.pt", weights_only=False)
+                                               for r in range(2)] for run in RUNS})
+            for shapes in ("same", "different")}
 
 
 def _assert_states_equal(x, y, exact=True):
@@ -109,8 +123,8 @@ def _assert_states_equal(x, y, exact=True):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shapes", ["same", "different"])
-def test_k1_equals_ddp_with_find_unused_parameters(tmp_path, run_ranks, shapes):
-    runs = _fit(run_ranks, tmp_path, shapes, [{"tag": "ddp", "strategy": "ddp"}, {"tag": "k1", "k": 1}])
+def test_k1_equals_ddp_with_find_unused_parameters(fitted, shapes):
+    _, runs = fitted[shapes]
     ddp, k1 = runs["ddp"], runs["k1"]
     for rank in range(2):  # the plan ran as written: towers used on one rank, on both, on none
         assert ddp[rank]["taken"] == k1[rank]["taken"] == [step[rank] for step in PLAN]
@@ -125,11 +139,8 @@ def test_k1_equals_ddp_with_find_unused_parameters(tmp_path, run_ranks, shapes):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shapes", ["same", "different"])
-def test_merges_leave_ranks_identical_when_towers_differ(tmp_path, run_ranks, shapes):
-    runs = _fit(run_ranks, tmp_path, shapes, [
-        {"tag": "k4", "k": 4, "moment_dtype": "float32", "checkpoint_every": 2},
-        {"tag": "overlap", "k": 4, "overlap": True},
-    ])
+def test_merges_leave_ranks_identical_when_towers_differ(fitted, shapes):
+    out, runs = fitted[shapes]
     a, b = runs["k4"]
     assert a["taken"] == [step[0] for step in PLAN] and b["taken"] == [step[1] for step in PLAN]
     b_params = [s is None for s in a["states"][2]].count(True)
@@ -143,7 +154,7 @@ def test_merges_leave_ranks_identical_when_towers_differ(tmp_path, run_ranks, sh
 
     # A checkpoint between merges (after step 2) holds the ranks' mean moments, zeros where a
     # rank held none, and the larger step count; saving it gave rank 0 no state of its own.
-    saved = torch.load(tmp_path / "k4" / "step=2.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    saved = torch.load(out / "k4" / "step=2.ckpt", weights_only=False)["optimizer_states"][0]["state"]
     assert sorted(saved) == list(range(len(a["states"][1])))
     for index, (mine, theirs) in enumerate(zip(a["states"][1], b["states"][1])):
         zeros = tuple(torch.zeros_like(t) for t in mine or theirs)

@@ -18,7 +18,7 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, EVERY, KILL_AT = 60, 10, 35  # the last checkpoint before the kill is step 30
+STEPS, EVERY, KILL_AT = 30, 5, 17  # the last checkpoint before the kill is step 15 (after 5 and 10)
 
 KILLER = """
 import os, signal

@@ -7,7 +7,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from ctr_lightning.embedding import SparseAdam, TieredEmbeddingBagCollection
 
 # Run by each rank, and by the single-process reference (world size 1): the same global
-# batches, each rank taking its slice, with the SSD tier in use.
+# batches, each rank taking its slice, with the SSD tier in use. Then the ranks train a
+# small table in process groups of their own, and return what they found.
 RANK_SCRIPT = r"""
 import json, os, sys
 import numpy as np, torch, torch.distributed as dist
@@ -46,7 +47,6 @@ def local_kjt(step):
                              lengths=torch.from_numpy(np.concatenate(lens)))
 
 loss_weights = torch.randn(24, generator=torch.Generator().manual_seed(0))
-results = {}
 KINDS = {"row_wise": "row_wise", "table_wise": "table_wise", "data_parallel": "data_parallel",
          "mixed": {"t0": "row_wise", "t1": "table_wise", "t2": "auto"},
          "replicas": {"t0": "row_wise", "t1": "data_parallel", "t2": "table_wise"}}
@@ -73,19 +73,48 @@ for label, kind in KINDS.items():
         torch.save({"rows": rows, "seen": seen, "state": state, "stats": ebc.tier_stats(),
                     "plan": {k: (v.kind, v.owner) for k, v in (ebc.sharding_plan or {}).items()},
                     "bytes": ebc.comm_bytes()}, os.path.join(out_dir, f"{label}_{world}.pt"))
-print("RESULT {}", flush=True)
+
+def group_checks():
+    # One table trained 3 steps in the default group, in an explicit group of both ranks,
+    # and in a group of each rank alone (every rank creates every group, in one order).
+    table = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=100, feature_names=["f0"])]
+    both = dist.new_group([0, 1])
+    alone = [dist.new_group([0]), dist.new_group([1])]
+    result = {}
+    for name, group in (("default", None), ("explicit", both), ("alone", alone[rank])):
+        ebc = TieredEmbeddingBagCollection(table, optimizer=SparseAdam(lr=0.1), process_group=group)
+        for step in range(3):
+            ids = torch.tensor([step, 10 + rank, 20 + step * rank])
+            kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0"], values=ids,
+                                                      lengths=torch.ones(3, dtype=torch.int64))
+            ebc(kjt).values().sum().backward()
+        plan = ebc.sharding_plan
+        # rows() is collective only when sharded; alone, each rank reads its own tables.
+        rows = ebc.rows("t0", torch.arange(30)).tolist()
+        result[name] = {"plan": None if plan is None else plan["t0"].kind, "bytes": ebc.comm_bytes(), "rows": rows}
+    return result
+
+print("RESULT " + json.dumps(group_checks() if world > 1 else {}), flush=True)
 import torch.distributed as _dist
 if _dist.is_initialized():  # an orderly shutdown: gloo threads left to exit-time destructors can abort
     _dist.destroy_process_group()
 """
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, run_ranks_in_fixture):
+    """The directory the 2 ranks wrote their files to, and their results (of group_checks()).
+    They join their own gloo group (no launcher variables)."""
+    out = tmp_path_factory.mktemp("sharded_tables")
+    return out, run_ranks_in_fixture(RANK_SCRIPT, ["2", str(out), "{port}"], world=2, ddp_env=False)
+
+
 @pytest.mark.slow
-def test_two_gloo_ranks_equal_one_process(tmp_path, run_ranks, monkeypatch):
-    # The one-process reference runs here; the 2 ranks join their own gloo group (no launcher variables).
+def test_two_gloo_ranks_equal_one_process(two_ranks, monkeypatch):
+    tmp_path = two_ranks[0]
+    # The one-process reference runs here; the 2 ranks ran in processes of their own.
     monkeypatch.setattr(sys, "argv", ["rank", "0", "1", str(tmp_path), "0"])
     exec(compile(RANK_SCRIPT, "rank_script", "exec"), {"__name__": "__main__"})
-    run_ranks(RANK_SCRIPT, ["2", str(tmp_path), "{port}"], world=2, ddp_env=False)
     one_rows = {label: torch.load(tmp_path / f"{label}_1.pt", weights_only=False)["rows"]
                 for label in ("data_parallel", "replicas")}
     for label in ("row_wise", "table_wise", "data_parallel", "mixed", "replicas"):
@@ -128,42 +157,9 @@ def test_two_gloo_ranks_equal_one_process(tmp_path, run_ranks, monkeypatch):
         torch.testing.assert_close(restored.rows(name, ids), one["rows"][name], atol=1e-5, rtol=0)
 
 
-GROUP_SCRIPT = r"""
-import json, sys
-import torch, torch.distributed as dist
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-from ctr_lightning.embedding import SparseAdam, TieredEmbeddingBagCollection
-
-rank, port = int(sys.argv[1]), sys.argv[2]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-TABLES = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=100, feature_names=["f0"])]
-both = dist.new_group([0, 1])
-alone = [dist.new_group([0]), dist.new_group([1])]  # every rank creates every group, in one order
-
-def train(process_group):
-    ebc = TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.1), process_group=process_group)
-    for step in range(3):
-        ids = torch.tensor([step, 10 + rank, 20 + step * rank])
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0"], values=ids, lengths=torch.ones(3, dtype=torch.int64))
-        ebc(kjt).values().sum().backward()
-    return ebc
-
-result = {}
-for name, group in (("default", None), ("explicit", both), ("alone", alone[rank])):
-    ebc = train(group)
-    plan = ebc.sharding_plan
-    # rows() is collective only when sharded; alone, each rank reads its own tables.
-    rows = ebc.rows("t0", torch.arange(30)).tolist()
-    result[name] = {"plan": None if plan is None else plan["t0"].kind, "bytes": ebc.comm_bytes(), "rows": rows}
-print("RESULT " + json.dumps(result), flush=True)
-dist.destroy_process_group()
-"""
-
-
 @pytest.mark.slow
-def test_an_explicit_process_group_decides_what_is_sharded(run_ranks):
-    results = run_ranks(GROUP_SCRIPT, ["{port}"], world=2, ddp_env=False)
+def test_an_explicit_process_group_decides_what_is_sharded(two_ranks):
+    _, results = two_ranks
     for r in results:
         assert r["default"]["plan"] == r["explicit"]["plan"] == "row_wise"
         assert r["explicit"]["bytes"] > 0
