@@ -42,6 +42,7 @@ EXAMPLES = {
     "SyntheticCriteoSpec": dict(seed=3, max_cardinality=77),
     "NodeLayout": dict(world_size=4, rank=3, local_world_size=2),
     "Admission": dict(admit_after=3, sketch_bytes=1 << 21, seed=5),
+    "Expiry": dict(ttl=1000, max_rows=10**6),
 }
 
 

@@ -114,3 +114,14 @@ def test_a_storage_key_set_to_null_on_the_command_line_is_none(in_process, capsy
     storage = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["storage"]
     assert storage["device_bytes"] is None and storage["host_rows"] is None and storage["ssd_dir"] is None
     assert storage["eviction"] == "lfu" and storage["ssd_segment_bytes"] == 256 << 20
+
+
+def test_admission_and_expiry_are_set_on_the_command_line(in_process, capsys):
+    with pytest.raises(SystemExit):
+        in_process(["fit", "--config", "configs/demo.yaml", "--model.admission.admit_after", "2",
+                    "--model.expiry.ttl", "50000", "--model.expiry.max_rows", "1000000", "--print_config"])
+    import yaml
+
+    model = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
+    assert model["admission"]["admit_after"] == 2
+    assert model["expiry"] == {"ttl": 50000, "max_rows": 1000000}

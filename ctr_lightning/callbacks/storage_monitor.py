@@ -52,6 +52,9 @@ class StorageMonitor(Callback):
     there) and ``storage/rss_bytes``; rows and SSD GiB also on the progress bar. Where
     tables admit ids selectively: ``storage/rows_admitted`` and ``storage/rows_rejected``
     (so far), and per table ``storage/admitted/<table>`` and ``storage/rejected/<table>``.
+    Where tables expire rows: ``storage/rows_expired`` (by ttl) and ``storage/rows_evicted``
+    (by max_rows) so far, and per table ``storage/live_rows/<table>`` (rows stored now),
+    ``storage/expired/<table>`` and ``storage/evicted/<table>``.
 
     With ``stop_at_ssd_bytes`` (bytes, or a string such as ``"36GB"`` or ``"1.5xRAM"``),
     training stops once the live rows on SSD reach it, and before training starts the SSD
@@ -114,20 +117,17 @@ class StorageMonitor(Callback):
         return {"storage/ssd_bytes": float(total["ssd_bytes"]), "storage/ssd_live_bytes": float(total["ssd_live_bytes"]),
                 "storage/rows": float(rows), "storage/dram_bytes": float(total["dram_bytes"]),
                 "storage/index_bytes_per_row": total["ssd_index_bytes"] / max(total["ssd_rows"], 1),
-                "storage/rss_bytes": float(resident_bytes()), **self._admission()}
+                "storage/rss_bytes": float(resident_bytes()), **self._admission(), **self._expiry()}
 
     def _admission(self) -> dict[str, float]:
-        per_table: dict[str, dict[str, int]] = {}
-        for collection in self._collections:
-            per_table.update(collection.admission_counts())
-        if not per_table:
-            return {}
-        out = {"storage/rows_admitted": float(sum(c["admitted"] for c in per_table.values())),
-               "storage/rows_rejected": float(sum(c["rejected"] for c in per_table.values()))}
-        for name, counts in per_table.items():
-            out[f"storage/admitted/{name}"] = float(counts["admitted"])
-            out[f"storage/rejected/{name}"] = float(counts["rejected"])
-        return out
+        per_table = {name: c for collection in self._collections for name, c in collection.admission_counts().items()}
+        return _table_counts(per_table, {"admitted": "rows_admitted", "rejected": "rows_rejected"},
+                             {"admitted": "admitted", "rejected": "rejected"})
+
+    def _expiry(self) -> dict[str, float]:
+        per_table = {name: c for collection in self._collections for name, c in collection.expiry_counts().items()}
+        return _table_counts(per_table, {"expired": "rows_expired", "evicted": "rows_evicted"},
+                             {"rows": "live_rows", "expired": "expired", "evicted": "evicted"})
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -148,3 +148,15 @@ class StorageMonitor(Callback):
                 rank_zero_info(f"StorageMonitor: {self.last['storage/ssd_live_bytes'] / 2**30:.1f} GiB of rows on "
                                f"SSD, the run's size: stopping")
                 trainer.should_stop = True
+
+
+def _table_counts(per_table: dict[str, dict[str, int]], totals: dict[str, str],
+                  each: dict[str, str]) -> dict[str, float]:
+    """``storage/<total>`` summed over the tables and ``storage/<name>/<table>`` per table,
+    from per-table counts (none: nothing logged)."""
+    if not per_table:
+        return {}
+    out = {f"storage/{total}": float(sum(c[key] for c in per_table.values())) for key, total in totals.items()}
+    for table, counts in per_table.items():
+        out.update({f"storage/{name}/{table}": float(counts[key]) for key, name in each.items()})
+    return out

@@ -9,6 +9,7 @@ admission) and ``distributed`` (the sharded engines).
 """
 
 from ctr_lightning.embedding.admission_config import Admission
+from ctr_lightning.embedding.expiry_config import Expiry
 from ctr_lightning.embedding.storage_config import AutoStorage, StorageConfig, plan_storage
 from ctr_lightning.embedding.tiered import GatheringSsdRowsError, TieredEmbeddingBagCollection
 from ctr_lightning.embedding.prefetch.working_set_prefetcher import WorkingSetPrefetcher
@@ -23,6 +24,7 @@ from ctr_lightning.embedding.optimizers import (
 
 __all__ = [
     "Admission",
+    "Expiry",
     "AutoStorage",
     "GatheringSsdRowsError",
     "RowWiseAdagrad",

@@ -92,6 +92,22 @@ class TableEngine(ABC):
             raise ValueError(f"the checkpoint holds sighting counters for tables {sorted(state)}, which count none "
                              f"here (admission off?)")
 
+    def expiry_counts(self) -> dict[str, dict[str, int]]:
+        """Per table that expires rows, this rank's ``rows`` live now and rows ``expired``
+        (ttl) and ``evicted`` (max_rows) so far."""
+        return {}
+
+    def expiry_floors(self) -> dict[str, int]:
+        """Per table that expires rows, its floor (see :class:`RowExpiry`). Collective when
+        distributed."""
+        return {}
+
+    def load_expiry_floors(self, floors: Mapping[str, int]) -> None:
+        """Take the floors of :meth:`expiry_floors`."""
+        if floors:
+            raise ValueError(f"the checkpoint holds expiry floors for tables {sorted(floors)}, which expire no rows "
+                             f"here (expiry off?)")
+
     def from_rank0(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (a name they must agree on). Collective when
         distributed."""

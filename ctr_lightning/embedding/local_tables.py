@@ -155,6 +155,19 @@ class LocalTables(TableEngine):
         return {name: dict(counts) for group in self.groups if group.admission is not None
                 for name, counts in group.admission.per_table.items()}
 
+    def expiry_counts(self) -> dict[str, dict[str, int]]:
+        return {name: counts for group in self.groups if group.expiry is not None
+                for name, counts in group.expiry_counts().items()}
+
+    def expiry_floors(self) -> dict[str, int]:
+        return {name: floor for group in self.groups if group.expiry is not None
+                for name, floor in group.expiry.state().items()}
+
+    def load_expiry_floors(self, floors: Mapping[str, int]) -> None:
+        for group in self.groups:
+            if group.expiry is not None:
+                group.expiry.load(floors)
+
     def sightings(self) -> dict[str, np.ndarray]:
         return {name: counts for group in self.groups if group.admission is not None
                 for name, counts in group.admission.state().items()}

@@ -10,6 +10,7 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from ctr_lightning.embedding.lifecycle.admission_gate import AdmissionGate
+from ctr_lightning.embedding.lifecycle.row_expiry import RowExpiry, read_last_seen, stamp_words
 from ctr_lightning.embedding.kernels.pooling import BagLayout, CpuBackward, pool_cpu, pool_torch, update_cpu, update_torch
 from ctr_lightning.embedding.prefetch.working_set import WorkingSet
 from ctr_lightning.embedding.table_setup import TableSetup
@@ -43,7 +44,7 @@ class TableGroup:
         self.dim = tables[0].embedding_dim
         self.mode = "mean" if tables[0].pooling == PoolingType.MEAN else "sum"
         self.optimizer = setup.optimizer
-        self.width = setup.row_width(self.dim)
+        self.width = setup.row_width(self.dim, self.names)
         self.tiers = TierStack(name, tables, setup)
         self.working_set = WorkingSet()
         self.steps = np.zeros(len(tables), dtype=np.int64)  # optimizer steps per table
@@ -55,11 +56,17 @@ class TableGroup:
         gate = AdmissionGate(self.names, [setup.admission.get(n) for n in self.names],
                              [setup.row_partition.get(n, (1, 0)) for n in self.names])
         self.admission: AdmissionGate | None = gate if gate.active else None
+        expiry = RowExpiry(self.names, [setup.expiry.get(n) for n in self.names], setup.core_width(self.dim),
+                           [setup.row_partition.get(n, (1, 0)) for n in self.names])
+        self.expiry: RowExpiry | None = expiry if expiry.active else None
+        if self.expiry is not None:
+            self.tiers.live = self.expiry.live
 
     def counters(self) -> dict[str, int]:
         """Cumulative counters of the tiers, the read-ahead and admission."""
         admission = self.admission.counters if self.admission is not None else {}
-        return {**self.tiers.counters(), **self.working_set.counters, **admission}
+        expiry = self.expiry.counters if self.expiry is not None else {}
+        return {**self.tiers.counters(), **self.working_set.counters, **admission, **expiry}
 
     def storage(self) -> dict[str, int]:
         """What the tiers hold now (see :meth:`TierStack.storage`)."""
@@ -81,12 +88,17 @@ class TableGroup:
         u_tables, u_ids = tables[first], ids[first]
         miss = slots < 0
         self.tiers.count_device_hits(int((~miss).sum()))
+        if self.expiry is not None:
+            self._recount_if_loaded()
+            self._restart_gone(slots, ~miss, u_tables, u_ids, inverse, train)
         if miss.any():
-            slots[miss] = self.tiers.fetch(u_tables[miss], u_ids[miss], pinned=slots[~miss],
+            slots[miss] = self.tiers.fetch(u_tables[miss], u_ids[miss], pinned=slots[(~miss) & (slots >= 0)],
                                            working_set=self.working_set, admit=self._admit(inverse, miss, train))
         device_tier = self.tiers.device_tier
         # Rows admission turned away have slot -1: the kernels read them as zeros, update nothing.
         device_tier.touch(slots if self.admission is None else slots[slots >= 0])
+        if self.expiry is not None and train:
+            self._stamp(slots, u_tables)
         layout = BagLayout(slots, inverse, offsets, weights, batch)
         on_grad = _RowUpdate(self, slots, u_tables) if train else None
         if self.use_numba:
@@ -105,6 +117,53 @@ class TableGroup:
             return gate.admit(tables, ids, sightings, self.steps)
 
         return admit
+
+    def _restart_gone(self, slots: np.ndarray, hit: np.ndarray, tables: np.ndarray, ids: np.ndarray,
+                      inverse: np.ndarray, train: bool) -> None:
+        """Device-tier rows of this lookup that expired read as rows stored nowhere: they start
+        from the initializer in place (where admission takes them; slot -1 where it does not)."""
+        pos = np.flatnonzero(hit & self.expiry.stamped[tables])
+        if not len(pos):
+            return
+        tier = self.tiers.device_tier
+        rows = tier.values[torch.from_numpy(slots[pos]).to(tier.device)]
+        gone = pos[~self.expiry.live(tables[pos], rows)]
+        if not len(gone):
+            return
+        taken = np.ones(len(gone), dtype=bool)
+        if self.admission is not None:
+            sightings = np.bincount(inverse, minlength=len(slots))[gone] if train else None
+            taken = self.admission.admit(tables[gone], ids[gone], sightings, self.steps)
+        restart = gone[taken]
+        self.tiers.tables.initialize(tier.values, slots[restart], tables[restart], ids[restart])
+        slots[gone[~taken]] = -1
+
+    def _stamp(self, slots: np.ndarray, tables: np.ndarray) -> None:
+        """A training lookup's stored rows of stamped tables were looked up at this step."""
+        mine = np.flatnonzero((slots >= 0) & self.expiry.stamped[tables])
+        if not len(mine):
+            return
+        tier = self.tiers.device_tier
+        at = slots[mine]
+        index = torch.from_numpy(at).to(tier.device)
+        column = self.expiry.column
+        before = read_last_seen(tier.values[index, column : column + 2], 0)
+        steps = self.steps[tables[mine]]
+        self.expiry.looked_up(tables[mine], before, self.steps)
+        tier.values[index, column : column + 2] = torch.from_numpy(stamp_words(steps)).to(tier.device)
+        # A stamp is a change: the row goes back to SSD with it, and into the next snapshot.
+        tier.dirty[at] = True
+        tier.changed[at] = True
+
+    def expiry_counts(self) -> dict[str, dict[str, int]]:
+        """Per table whose rows go: rows live now, rows expired and evicted so far."""
+        self._recount_if_loaded()
+        live = self.expiry.live_rows()
+        return {name: {"rows": live[name], **counts} for name, counts in self.expiry.per_table.items()}
+
+    def _recount_if_loaded(self) -> None:
+        if self.expiry.needs_recount:
+            self.expiry.recount(lambda: self.tiers.export_chunks())
 
     def _unique_slots(self, tables: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(first, inverse, slots)`` of checked ids: the unique (table, id) pairs in order
@@ -126,9 +185,15 @@ class TableGroup:
 
     def _update(self, slots: np.ndarray, tables: np.ndarray, grad: torch.Tensor | CpuBackward) -> None:
         if self.skip_nonfinite and not _finite(grad):
+            if self.expiry is not None:
+                self.expiry.advance(self.steps)  # the lookup's stamps count, at the same step
+                self.tiers.expire_below(self.expiry.floor)
             return  # the rows, their optimizer state and the step counts stay as they were
         # Every table in the batch counts a step, as torch.optim.SparseAdam counts per parameter.
         self.steps += 1
+        if self.expiry is not None:
+            self.expiry.advance(self.steps)
+            self.tiers.expire_below(self.expiry.floor)
         storage = self.tiers.device_tier.values  # now: the tier may have grown since forward
         if isinstance(grad, CpuBackward):
             update_cpu(storage, self.dim, self.mode == "mean", self.optimizer, self.steps, tables, grad)
@@ -219,6 +284,8 @@ class TableGroup:
         """Replace every stored row by ``rows`` of (``tables``, ``ids``); ``steps`` per table."""
         self.tiers.load(tables, ids, rows)
         self.steps = np.asarray(steps, dtype=np.int64).copy()
+        if self.expiry is not None:
+            self.expiry.needs_recount = True
 
     # -- table snapshots (see table_snapshot) ----------------------------------------------------
 
@@ -250,6 +317,8 @@ class TableGroup:
     def begin_load(self) -> None:
         """Forget every stored row, before :meth:`load_chunk` and :meth:`adopt_segments` calls."""
         self.tiers.begin_load()
+        if self.expiry is not None:
+            self.expiry.needs_recount = True
 
     def load_chunk(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor, older: bool = False) -> None:
         """Store a snapshot's rows; with ``older``, keys loaded already are skipped (they came

@@ -7,7 +7,7 @@ import errno
 import math
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +15,9 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from ctr_lightning.embedding.admission_config import Admission
+from ctr_lightning.embedding.expiry_config import Expiry
 from ctr_lightning.embedding.initializer import init_range
+from ctr_lightning.embedding.lifecycle.row_expiry import STAMP_WORDS
 from ctr_lightning.embedding.lifecycle.sighting_sketch import DEPTH, MIN_WIDTH, PARTITIONS, min_sketch_bytes
 from ctr_lightning.embedding.kernels.sparse_update import state_width
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
@@ -51,6 +53,8 @@ class TableSetup:
     module_name: str = "TieredEmbeddingBagCollection"  # named in error messages
     # Per table, its feature admission (absent: every id gets a row).
     admission: Mapping[str, Admission] = field(default_factory=dict)
+    # Per table, its row expiry (absent: rows stay).
+    expiry: Mapping[str, Expiry] = field(default_factory=dict)
     # Per row-wise shard, ``(world, rank)``: which of the table's ids this process owns.
     row_partition: Mapping[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -67,6 +71,7 @@ class TableSetup:
         kernel: str = "auto",
         module_name: str = "TieredEmbeddingBagCollection",
         admission: Admission | Mapping[str, Admission | None] | None = None,
+        expiry: Expiry | Mapping[str, Expiry | None] | None = None,
     ) -> TableSetup:
         """The setup of ``tables``, or a ValueError naming the table and setting at fault."""
         names = [t.name for t in tables]
@@ -81,10 +86,14 @@ class TableSetup:
             init_range={t.name: init_range(t) for t in tables},
             module_name=module_name,
             admission=_admission_per_table(admission, names),
+            expiry=_settings_per_table(expiry, names, "expiry", Expiry, lambda s: True),
         )
         for name, space in setup.id_space.items():
             if space not in ID_SPACES:
                 raise ValueError(f"table {name!r}: id_space must be 'hashed' or 'bounded', got {space!r}")
+            if space == "bounded" and name in setup.expiry:
+                raise ValueError(f"table {name!r}: Expiry is for tables of hashed ids (id_space='hashed'), whose "
+                                 f"rows grow with the data; this table's ids are bounded (num_embeddings rows at most)")
         for t in tables:
             if t.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                 raise ValueError(f"table {t.name!r}: pooling {t.pooling.name} is not supported (SUM or MEAN)")
@@ -97,7 +106,7 @@ class TableSetup:
         for members in setup.groups(tables):
             group = [tables[i] for i in members]
             device, host = setup.capacities(group, check=True)
-            row_bytes = setup.row_width(group[0].embedding_dim) * 4
+            row_bytes = setup.row_width(group[0].embedding_dim, [t.name for t in group]) * 4
             for t, dev, cap in zip(group, device, host):
                 in_dram = (dev or 0) * (setup.device.type == "cpu") + (cap or 0) * has_host_tier(device, host)
                 dram[t.name] = in_dram * row_bytes
@@ -107,8 +116,13 @@ class TableSetup:
         _check_dram(dram, module_name)
         return setup
 
-    def row_width(self, dim: int) -> int:
-        """Floats stored per row: the weights and the optimizer's state."""
+    def row_width(self, dim: int, tables: Sequence[str] = ()) -> int:
+        """Floats stored per row of a group of ``tables``: the weights, the optimizer's state
+        and, where a table expires rows, each row's last lookup step."""
+        return self.core_width(dim) + (STAMP_WORDS if any(t in self.expiry for t in tables) else 0)
+
+    def core_width(self, dim: int) -> int:
+        """Floats of a row the optimizer steps: the weights and its state."""
         return dim + state_width(self.optimizer, dim)
 
     def groups(self, tables: Sequence[EmbeddingBagConfig]) -> list[list[int]]:
@@ -116,15 +130,15 @@ class TableSetup:
         pooling, SSD directory and id space."""
         keys: dict[tuple, list[int]] = {}
         for i, t in enumerate(tables):
-            keys.setdefault((t.embedding_dim, t.pooling, self.storage[t.name].ssd_dir, self.id_space[t.name]),
-                            []).append(i)
+            keys.setdefault((t.embedding_dim, t.pooling, self.storage[t.name].ssd_dir, self.id_space[t.name],
+                             t.name in self.expiry), []).append(i)
         return list(keys.values())
 
     def capacities(self, group: Sequence[EmbeddingBagConfig],
                    check: bool = False) -> tuple[list[int | None], list[int | None]]:
         """Device and host tier capacities in rows of each table of a group (None:
         unbounded); with ``check``, errors for tiers that cannot work together."""
-        row_bytes = self.row_width(group[0].embedding_dim) * 4
+        row_bytes = self.row_width(group[0].embedding_dim, [t.name for t in group]) * 4
         storage = [self.storage[t.name] for t in group]
         device = [s.device_capacity(row_bytes) for s in storage]
         host = [s.host_capacity(row_bytes) for s in storage]
@@ -236,24 +250,31 @@ def _check_dram(dram: Mapping[str, int], owner: str) -> None:
 def _admission_per_table(value: Admission | Mapping[str, Admission | None] | None,
                          names: list[str]) -> dict[str, Admission]:
     """Tables a dict leaves out, or names None, admit every id."""
-    if value is None:
-        return {}
-    if isinstance(value, Admission):
-        value = {n: value for n in names}
-    if not isinstance(value, Mapping):
-        raise TypeError(f"admission must be an Admission or a dict of them by table, got {value!r}")
-    unknown = sorted(set(value) - set(names))
-    if unknown:
-        raise ValueError(f"admission: unknown tables {unknown}; the tables are {names}")
-    for name, setting in value.items():
-        if setting is not None and not isinstance(setting, Admission):
-            raise TypeError(f"admission of table {name!r} must be an Admission or None, got {setting!r}")
-    settings = {n: s for n, s in value.items() if s is not None and s.filters}
+    settings = _settings_per_table(value, names, "admission", Admission, lambda s: s.filters)
     for name, setting in settings.items():
         if setting.counts and setting.sketch_bytes < min_sketch_bytes():
             raise ValueError(f"table {name!r}: Admission.sketch_bytes {setting.sketch_bytes} is below the minimum "
                              f"{min_sketch_bytes()} ({PARTITIONS} partitions x {DEPTH} rows x {MIN_WIDTH} counters)")
     return settings
+
+
+def _settings_per_table(value: Any, names: list[str], what: str, kind: type,
+                        acts: Callable[[Any], bool]) -> dict[str, Any]:
+    """One setting for every table, or a dict of them by table name; tables a dict leaves
+    out, or names None, and settings that do nothing (``acts`` false) are dropped."""
+    if value is None:
+        return {}
+    if isinstance(value, kind):
+        value = {n: value for n in names}
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{what} must be a {kind.__name__} or a dict of them by table, got {value!r}")
+    unknown = sorted(set(value) - set(names))
+    if unknown:
+        raise ValueError(f"{what}: unknown tables {unknown}; the tables are {names}")
+    for name, setting in value.items():
+        if setting is not None and not isinstance(setting, kind):
+            raise TypeError(f"{what} of table {name!r} must be a {kind.__name__} or None, got {setting!r}")
+    return {n: s for n, s in value.items() if s is not None and acts(s)}
 
 
 def _per_table(value: Any, names: list[str], what: str, kind: type) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ctr_lightning.embedding.admission_config import Admission
+from ctr_lightning.embedding.expiry_config import Expiry
+from ctr_lightning.embedding.lifecycle.lifecycle_state import LifecycleState
 from ctr_lightning.embedding.collection_copies import claim_planned_ssd, refuse_copy
 from ctr_lightning.embedding.engine import TableEngine
 from ctr_lightning.embedding.local_tables import LocalTables
@@ -100,6 +102,10 @@ class TieredEmbeddingBagCollection(nn.Module):
             id). An id not admitted reads zeros and is not updated; under ``sparse_sync="k_step"``
             the owners admit at each merge on the interval's sightings of all ranks. Not on
             data-parallel tables.
+        expiry: which stored rows go (:class:`Expiry`: not looked up in ``ttl`` training
+            steps, or the least recent above ``max_rows``), for all tables or per table
+            name. A row gone reads as one stored nowhere. Tables of hashed ids only; not on
+            data-parallel tables nor under ``sparse_sync="k_step"``.
 
     Example::
 
@@ -135,6 +141,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         sync_state_dtype: str = "bfloat16",
         placer: TablePlacer | None = None,
         admission: Admission | Mapping[str, Admission | None] | None = None,
+        expiry: Expiry | Mapping[str, Expiry | None] | None = None,
     ) -> None:
         super().__init__()
         self._feature_names = check_tables(tables, type(self).__name__)
@@ -153,7 +160,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         self.placement: PlacedTables | None = None
         self._setup = TableSetup.build(tables, None if self._auto_storage else storage, optimizer, id_space,
                                        is_weighted, device, seed, kernel, module_name=type(self).__name__,
-                                       admission=admission)
+                                       admission=admission, expiry=expiry)
         if isinstance(sharding, str) and sharding not in (*SHARDING_KINDS, "auto"):
             raise ValueError(f"sharding must be one of {list(SHARDING_KINDS)}, 'auto' or a dict, got {sharding!r}")
         if sparse_sync not in ("step", "k_step"):
@@ -185,7 +192,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         # before fit starts, and planning then would size the tiers for the wrong device.
         # ("tables", per-table state) or ("snapshot", path, reference): data, so a copy of the module carries it.
         self._pending_load: tuple | None = None
-        self._pending_sightings: Mapping[str, Any] | None = None  # admission's counters, as the rows
+        self._lifecycle = LifecycleState(self._setup)  # admission's counters and expiry's floors, as the rows
         # Set when this collection or one it was copied from was copied before storage auto
         # planned its tiers: the copies' common key (see __getstate__, collection_copies).
         self._copy_lineage: str | None = None
@@ -236,9 +243,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         except BaseException:
             self._pending_load = pending
             raise
-        sightings, self._pending_sightings = self._pending_sightings, None
-        if sightings is not None:  # admission's counters, restored with the rows
-            self._engine.load_sightings({name: np.asarray(counts) for name, counts in sightings.items()})
+        self._lifecycle.restore(self._engine)
 
     @property
     def auto_storage(self) -> AutoStorage | None:
@@ -401,6 +406,17 @@ class TieredEmbeddingBagCollection(nn.Module):
         (``ssd_write_us``, ``ssd_clean_us``, ``index_grow_us``)."""
         return self._built().counters()
 
+    @property
+    def stamped_tables(self) -> set[str]:
+        """Tables whose rows record their last lookup step (those with an :class:`Expiry`):
+        the ones delta exports for serving can follow."""
+        return set(self._setup.expiry)
+
+    def expiry_counts(self) -> dict[str, dict[str, int]]:
+        """Per table that expires rows (``expiry``), this rank's ``rows`` live now and the rows
+        gone so far: ``expired`` (by ttl) and ``evicted`` (by max_rows)."""
+        return self._built().expiry_counts()
+
     def admission_counts(self) -> dict[str, dict[str, int]]:
         """Per table that admits ids selectively (``admission``), the rows this rank
         ``admitted`` and ``rejected`` so far (each owner counts its own rows)."""
@@ -504,7 +520,7 @@ class TieredEmbeddingBagCollection(nn.Module):
     def get_extra_state(self) -> dict[str, Any]:
         if self._snapshots.root is not None:
             return {**self._snapshots.reference(self._built), **self._setup.unstored_rows(self._tables),
-                    **self._sightings()}
+                    **self._lifecycle.saved(self._built)}
         engine = self._built()  # first: under storage auto, only the plan says whether there is an SSD tier
         if self.gathers_ssd_rows:
             raise GatheringSsdRowsError(
@@ -519,17 +535,10 @@ class TieredEmbeddingBagCollection(nn.Module):
         # When sharded this is collective (Lightning builds checkpoints on every rank). The
         # widths go along for readers of the file alone (export: rows hold optimizer state too).
         return {"tables": engine.export(), "dims": {t.name: t.embedding_dim for t in self._tables},
-                **self._setup.unstored_rows(self._tables), **self._sightings()}
-
-    def _sightings(self) -> dict[str, dict[str, torch.Tensor]]:
-        """``{"sightings": {table: counters}}`` of the tables admission counts for (none:
-        ``{}``): a resumed run admits what an uninterrupted one would. Collective when sharded."""
-        counts = self._built().sightings() if self._setup.admission else {}
-        return {"sightings": {name: torch.from_numpy(c) for name, c in counts.items()}} if counts else {}
+                **self._setup.unstored_rows(self._tables), **self._lifecycle.saved(self._built)}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
-        if "sightings" in state:
-            self._pending_sightings = state["sightings"]  # with the rows, or at once where they load now
+        self._lifecycle.take(state)  # with the rows, or at once where they load now
         if "snapshot" in state:
             found = self._snapshots.to_load(state, self.snapshot_search)
             if found is None:

@@ -14,6 +14,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from ctr_lightning.embedding.engine import TableEngine, TableState
 from ctr_lightning.embedding.local_tables import LocalTables
+from ctr_lightning.embedding.lifecycle.row_expiry import stamp_words
 from ctr_lightning.embedding.table_setup import TableSetup, available_memory_bytes
 
 
@@ -101,7 +102,7 @@ def rows_from_torchrec(state_dict: Mapping[str, torch.Tensor], tables: Sequence[
         if shape != (t.num_embeddings, t.embedding_dim):
             raise ValueError(f"{name}: table {t.name!r}: {key} has shape {list(shape)}, the table "
                              f"is [num_embeddings, embedding_dim] = [{t.num_embeddings}, {t.embedding_dim}]")
-        need += t.num_embeddings * setup.row_width(t.embedding_dim) * 4
+        need += t.num_embeddings * setup.row_width(t.embedding_dim, [t.name]) * 4
     available = available_memory_bytes()
     if need > available:
         raise MemoryError(f"{name}: loading torchrec's weights takes {need / 2**30:.2f} GiB of rows "
@@ -109,7 +110,9 @@ def rows_from_torchrec(state_dict: Mapping[str, torch.Tensor], tables: Sequence[
                           f"available")
     out = {}
     for key, t in keys.items():
-        rows = torch.zeros(t.num_embeddings, setup.row_width(t.embedding_dim))
+        rows = torch.zeros(t.num_embeddings, setup.row_width(t.embedding_dim, [t.name]))
         rows[:, : t.embedding_dim] = state_dict[key].detach().to("cpu", torch.float32)
+        if t.name in setup.expiry:  # loaded rows count as looked up at step 0, not as expired
+            rows[:, setup.core_width(t.embedding_dim):] = torch.from_numpy(stamp_words(0))
         out[t.name] = {"ids": torch.arange(t.num_embeddings), "rows": rows, "steps": 0}
     return out

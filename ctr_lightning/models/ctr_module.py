@@ -16,7 +16,7 @@ from ctr_lightning.batch import Batch
 from ctr_lightning.callbacks.auto_placement import auto_placement_by_default
 from ctr_lightning.callbacks.table_snapshots import table_snapshots_by_default
 from ctr_lightning.datamodules.criteo_schema import NUM_DENSE, SPARSE_NAMES
-from ctr_lightning.embedding import Admission, AutoStorage, StorageConfig, TieredEmbeddingBagCollection
+from ctr_lightning.embedding import Admission, AutoStorage, Expiry, StorageConfig, TieredEmbeddingBagCollection
 from ctr_lightning.embedding.optimizers import SPARSE_OPTIMIZERS
 from ctr_lightning.metrics import Calibration, GroupAUC, LogLoss, NormalizedEntropy
 
@@ -64,6 +64,8 @@ class CTRModule(pl.LightningModule):
         admission: which new ids of every table get a row (:class:`Admission`: from the
             N-th sighting, ``admit_after``, or with a ``probability``); default every id.
             Ids not admitted read zeros and are not trained.
+        expiry: which stored rows of every table go (:class:`Expiry`: not looked up in
+            ``ttl`` training steps, or the least recent above ``max_rows``); default none.
 
     Example::
 
@@ -99,6 +101,7 @@ class CTRModule(pl.LightningModule):
         sync_every: int | None = None,
         sync_state_dtype: str = "bfloat16",
         admission: Admission | None = None,
+        expiry: Expiry | None = None,
     ) -> None:
         super().__init__()
         if not sparse_feature_names:
@@ -126,7 +129,7 @@ class CTRModule(pl.LightningModule):
         self.embeddings = TieredEmbeddingBagCollection(
             tables, storage=storage, optimizer=SPARSE_OPTIMIZERS[sparse_optimizer](lr=sparse_learning_rate),
             seed=seed, sharding=sharding, sparse_sync=sparse_sync, sync_every=sync_every,
-            sync_state_dtype=sync_state_dtype, admission=admission)
+            sync_state_dtype=sync_state_dtype, admission=admission, expiry=expiry)
         self.val_metrics = _quality_metrics()
         self.test_metrics = _quality_metrics()
         self._bytes_before = 0

@@ -44,6 +44,10 @@ class DataParallelTables:
         if filtered:
             raise ValueError(f"tables {filtered}: admission needs one owner per row (row_wise or table_wise sharding); "
                              f"data_parallel tables are small and hot: admit every id there")
+        expiring = sorted(t.name for t in self.tables if t.name in setup.expiry)
+        if expiring:
+            raise ValueError(f"tables {expiring}: Expiry needs one owner per row (row_wise or table_wise sharding); "
+                             f"data_parallel tables are small and hot: keep their rows")
         self.local = LocalTables(self.tables, setup.in_subdirectory("replicas"))
         self.is_weighted = setup.is_weighted
         self.feature_names = self.local.feature_names

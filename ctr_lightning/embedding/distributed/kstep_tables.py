@@ -59,6 +59,12 @@ class KStepTables(TableEngine):
         if data_parallel:
             raise ValueError(f"tables {data_parallel}: data_parallel sharding needs sparse_sync='step'; under 'k_step' "
                              f"every rank trains a local copy of the rows it touches already")
+        expiring = sorted(t.name for t in tables if t.name in setup.expiry)
+        if expiring:
+            # The local copies would need each row's last lookup step merged (a maximum,
+            # not a mean of deltas), and the owners' floors raised at the merges.
+            raise ValueError(f"tables {expiring}: Expiry is not supported under sparse_sync='k_step' yet; use "
+                             f"sparse_sync='step' for tables that expire rows")
         self.tables = list(tables)
         self.plan = dict(plan)
         self.process_group = process_group

@@ -19,6 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ctr_lightning.embedding.counters import sum_counters
 from ctr_lightning.embedding.distributed.collectives import (
     broadcast_from_rank0,
+    gather_objects,
     gather_sightings,
     gather_tables,
     owners_rows,
@@ -284,6 +285,20 @@ class ShardedTables(TableEngine):
 
     def sightings(self) -> dict[str, np.ndarray]:
         return gather_sightings(self.local.sightings(), self.process_group)
+
+    def expiry_counts(self) -> dict[str, dict[str, int]]:
+        return self.local.expiry_counts()
+
+    def expiry_floors(self) -> dict[str, int]:
+        # Row-wise shards share a floor; a table-wise table's is on its owner alone.
+        joined: dict[str, int] = {}
+        for part in gather_objects(self.local.expiry_floors(), self.process_group):
+            for name, floor in part.items():
+                joined[name] = max(floor, joined.get(name, floor))
+        return joined
+
+    def load_expiry_floors(self, floors: Mapping[str, int]) -> None:
+        self.local.load_expiry_floors(floors)
 
     def load_sightings(self, state: Mapping[str, np.ndarray]) -> None:
         self.local.load_sightings(state)

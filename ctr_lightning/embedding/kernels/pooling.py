@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ctr_lightning.embedding.kernels import cpu_kernels as kernels
-from ctr_lightning.embedding.kernels.sparse_update import apply_update, kernel_optimizer
+from ctr_lightning.embedding.kernels.sparse_update import apply_update, kernel_optimizer, state_width
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
 
 
@@ -112,7 +112,9 @@ def update_torch(storage: torch.Tensor, optimizer: SparseOptimizer, steps: np.nd
     index = torch.from_numpy(slots).to(device)
     rows = storage.index_select(0, index)
     step = torch.from_numpy(steps[tables]).to(device)
-    storage.index_copy_(0, index, apply_update(optimizer, rows, grad.to(device), step))
+    core = grad.shape[1] + state_width(optimizer, grad.shape[1])  # floats after it (a row's stamp) stay
+    rows[:, :core] = apply_update(optimizer, rows[:, :core], grad.to(device), step)
+    storage.index_copy_(0, index, rows)
 
 
 # Autograd only calls a Function's backward when an input needs a gradient.

@@ -49,6 +49,7 @@ class SharedSegment:
     crc32: int
     keys_sha256: str
     bitmap: bytes
+    newest: tuple[int, ...] | None = None  # per table, the newest last-lookup step of its records
 
     @property
     def take(self) -> np.ndarray:
@@ -114,6 +115,8 @@ class SegmentSetWriter:
         reached("snapshot_rows")
         self.segments.append({"file": names[0], "keys": names[1], "records": sealed.records, "crc32": sealed.crc,
                               "keys_sha256": hashlib.sha256(sealed.keys.tobytes()).hexdigest()})
+        if sealed.newest is not None:  # so a run resumed from it deletes the segment whole once its rows are gone
+            self.segments[-1]["newest"] = [int(x) for x in sealed.newest]
         self._bitmaps.append(np.packbits(take).tobytes())
         for t, n in zip(*np.unique(sealed.keys["table"][take], return_counts=True)):
             self.rows_per_table[int(t)] += int(n)
@@ -164,7 +167,8 @@ def read_segment_set(path: str | os.PathLike) -> SegmentSet:
                 if len(bitmap) * 8 < int(s["records"]):
                     raise ValueError("cut short")
                 segments.append(SharedSegment(s["file"], s["keys"], int(s["records"]), int(s["crc32"]),
-                                              s["keys_sha256"], bitmap))
+                                              s["keys_sha256"], bitmap,
+                                              tuple(int(x) for x in s["newest"]) if "newest" in s else None))
         except (ValueError, KeyError, TypeError) as e:
             raise RowFileError(f"{path}: not a segment set of {FORMAT}, or damaged ({e})") from e
     return SegmentSet(path, tables, width, record_bytes, segments)

@@ -26,7 +26,7 @@ class GroupTables:
     def __init__(self, tables: list[EmbeddingBagConfig], setup: TableSetup) -> None:
         self.names = [t.name for t in tables]
         self.dim = tables[0].embedding_dim
-        self.width = setup.row_width(self.dim)
+        self.width = setup.row_width(self.dim, self.names)
         self.seed = setup.seed
         self.table_keys = np.array([table_key(t.name) for t in tables], dtype=np.int64)
         self.num_embeddings = np.array([t.num_embeddings for t in tables], dtype=np.int64)

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 # admit(positions, tables, ids): which rows stored nowhere (at these positions of a fetch)
 # get a row now; the others get slot -1 (they read zeros and are not updated).
 Admit = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+# live(tables, rows): which of these stored rows ([n, width]) are still there (not expired).
+Live = Callable[[np.ndarray, torch.Tensor], np.ndarray]
 
 
 class MissPath:
@@ -48,10 +50,11 @@ class MissPath:
         self.evict_us = 0  # microseconds spent making room in the device tier
 
     def fetch(self, tables: np.ndarray, ids: np.ndarray, pinned: np.ndarray,
-              working_set: WorkingSet | None = None, admit: Admit | None = None) -> np.ndarray:
+              working_set: WorkingSet | None = None, admit: Admit | None = None,
+              live: Live | None = None) -> np.ndarray:
         """Bring rows absent from the device tier into it; returns their slots. Rows stored
-        nowhere start from the initializer where ``admit`` (None: all) takes them, and get
-        slot -1 where it does not.
+        nowhere, and rows found whose copy ``live`` says is gone (expired), start from the
+        initializer where ``admit`` (None: all) takes them, and get slot -1 where it does not.
 
         Room is made by evicting rows that are neither ``pinned`` nor pinned by a training
         forward (:class:`ForwardPins`), and, with an active ``working_set``, rows an upcoming
@@ -63,9 +66,13 @@ class MissPath:
         self.writer.check_usable()
         reading_ahead = working_set is not None and working_set.current_batch is not None
         rows, locations, filled = self._gather(tables, ids, working_set if reading_ahead else None)
+        fresh = ~filled  # rows that start from the initializer
+        if live is not None and filled.any():
+            found = np.flatnonzero(filled)
+            fresh[found[~live(tables[found], rows[torch.from_numpy(found)])]] = True
         placed = np.ones(len(ids), dtype=bool)  # rows that get a slot: all but those admission turns away
-        if admit is not None and not filled.all():
-            new = np.flatnonzero(~filled)
+        if admit is not None and fresh.any():
+            new = np.flatnonzero(fresh)
             placed[new[~admit(new, tables[new], ids[new])]] = False
         start = time.perf_counter()
         need = self.device_tier.room_needed(tables[placed])
@@ -74,17 +81,19 @@ class MissPath:
         self.device_tier.release(victim_slots)
         self.evict_us += int((time.perf_counter() - start) * 1e6)
         clean = np.zeros(len(ids), dtype=bool)
-        if filled.all():
+        if not fresh.any():
             slots = self.device_tier.insert(Rows(tables, ids, rows, clean, locations))
         else:
             slots = np.full(len(ids), -1, dtype=np.int64)
-            old, new = np.flatnonzero(filled), np.flatnonzero(~filled & placed)
+            old, new = np.flatnonzero(~fresh), np.flatnonzero(fresh & placed)
             if len(old):
                 slots[old] = self.device_tier.insert(Rows(tables[old], ids[old], rows[torch.from_numpy(old)], clean[old],
                                                           locations[old]))
-            if len(new):  # rows never stored anywhere start from the initializer, written in place
+            if len(new):  # rows start from the initializer, written in place
                 slots[new] = self.device_tier.place(tables[new], ids[new], clean[new], absent=True)
                 self.tables.initialize(self.device_tier.values, slots[new], tables[new], ids[new])
+                # An expired row's SSD record is the one its next write replaces.
+                self.device_tier.ssd_location[slots[new]] = locations[new]
                 self.counters["new_rows"] += len(new)
         if reading_ahead:
             stored = slots >= 0

@@ -93,8 +93,9 @@ class RowLoad:
                 continue
             self.tables.check_ids(tables[take], ids[take])
             folder = segment_set.path.parent
+            newest = np.array(segment.newest, dtype=np.int64) if segment.newest is not None else None
             if not self.ssd.adopt(folder / segment.file, folder / segment.keys, segment.records, segment.crc32, keys,
-                                  take):
+                                  take, newest):
                 left.append(n)
                 refused = True  # no hard link from this snapshot to this SSD directory
         return left

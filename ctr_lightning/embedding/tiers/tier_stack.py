@@ -11,7 +11,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from ctr_lightning.embedding.table_setup import TableSetup, has_host_tier
 from ctr_lightning.embedding.tiers.group_tables import GroupTables
-from ctr_lightning.embedding.tiers.miss_path import Admit, MissPath
+from ctr_lightning.embedding.tiers.miss_path import Admit, Live, MissPath
 from ctr_lightning.embedding.tiers.interval_rows import IntervalRows
 from ctr_lightning.embedding.tiers.row_cache import RowCache
 from ctr_lightning.embedding.tiers.row_export import RowExport
@@ -62,13 +62,19 @@ class TierStack:
         if ssd_dir is not None and self.bounded.all():
             self.ssd = DirectSsdStore(ssd_dir, name, self.width, self.names, list(self.tables.num_embeddings))
         elif ssd_dir is not None:
-            self.ssd = SsdLog(ssd_dir, name, self.width, self.names, segment_bytes=storage[0].ssd_segment_bytes)
+            # Where rows expire, the log deletes the records of rows gone by their stamp.
+            stamps = setup.core_width(self.tables.dim) if any(n in setup.expiry for n in self.names) else None
+            self.ssd = SsdLog(ssd_dir, name, self.width, self.names, segment_bytes=storage[0].ssd_segment_bytes,
+                              stamp_column=stamps)
         memory = [tier for tier in (self.device_tier, self.host_tier) if tier is not None]
         self.writer = SsdWriter(self.ssd, self.names, memory)
         self.misses = MissPath(self.tables, self.device_tier, self.host_tier, self.ssd, self.writer)
         self.interval_rows = IntervalRows(self.device_tier)
         self._export = RowExport(self.device_tier, self.host_tier, self.ssd, self.writer, self.width)
         self._load = RowLoad(self.tables, self.device_tier, self.host_tier, self.ssd, self.writer)
+        # Which stored rows are still there (see RowExpiry); None: all. Rows it says are gone
+        # read as rows stored nowhere, wherever a copy of them lies.
+        self.live: Live | None = None
 
     @property
     def names(self) -> list[str]:
@@ -113,6 +119,12 @@ class TierStack:
             held["dram_bytes"] += self.ssd.index_bytes
         return held
 
+    def expire_below(self, floors: np.ndarray) -> None:
+        """Rows last looked up before ``floors[t]`` are gone (see RowExpiry): the SSD log's
+        cleaning deletes their records from now on, in its thread."""
+        if isinstance(self.ssd, SsdLog):
+            self.ssd.floors = floors.copy()  # one reference swap: a write under way reads either
+
     def check_ids(self, tables: np.ndarray, ids: np.ndarray) -> None:
         """An error naming the table and id of the first id its table cannot hold."""
         self.tables.check_ids(tables, ids)
@@ -131,7 +143,7 @@ class TierStack:
               working_set: WorkingSet | None = None, admit: Admit | None = None) -> np.ndarray:
         """Bring rows absent from the device tier into it; returns their slots (see
         :meth:`MissPath.fetch`; -1: a row stored nowhere that ``admit`` turned away)."""
-        return self.misses.fetch(tables, ids, pinned, working_set, admit)
+        return self.misses.fetch(tables, ids, pinned, working_set, admit, self.live)
 
     def wait_for_write(self) -> None:
         """Wait until the SSD write under way is done (any thread)."""
@@ -145,7 +157,9 @@ class TierStack:
     # -- reads without side effects, writes --------------------------------------------------
 
     def stored(self, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """Which of these rows are stored in some tier (reads only)."""
+        """Which of these rows are stored in some tier, and not gone (reads only)."""
+        if self.live is not None:
+            return self._read(tables, ids)[1]
         self.drain()
         held = np.zeros(len(ids), dtype=bool)
         for tier in (self.device_tier, self.host_tier):
@@ -163,9 +177,13 @@ class TierStack:
     def full_rows(self, tables: np.ndarray, ids: np.ndarray) -> torch.Tensor:
         """``[weights | optimizer state]`` of rows, freshest tier first; reads only."""
         self.check_ids(tables, ids)
+        return self._read(tables, ids)[0]
+
+    def _read(self, tables: np.ndarray, ids: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """``(rows, stored)``: the freshest copy of each row (rows stored nowhere, or gone:
+        what they read), and which are stored and live."""
         self.drain()
         out = torch.zeros(len(ids), self.width)
-        out[:, : self.tables.dim] = torch.from_numpy(self.tables.unstored(tables, ids))
         todo = np.ones(len(ids), dtype=bool)
         for tier in (self.device_tier, self.host_tier):
             if tier is None:
@@ -185,7 +203,17 @@ class TierStack:
             rest = np.flatnonzero(todo)
             found, data, _ = self.ssd.read(tables[rest], ids[rest])
             out[torch.from_numpy(rest[found])] = torch.from_numpy(data)
-        return out
+            todo[rest[found]] = False
+        stored = ~todo
+        if self.live is not None and stored.any():
+            held = np.flatnonzero(stored)
+            stored[held[~self.live(tables[held], out[torch.from_numpy(held)])]] = False
+        if not stored.all():
+            unstored = np.flatnonzero(~stored)
+            out[torch.from_numpy(unstored)] = 0.0
+            out[torch.from_numpy(unstored), : self.tables.dim] = torch.from_numpy(
+                self.tables.unstored(tables[unstored], ids[unstored]))
+        return out, stored
 
     def put_rows(self, tables: np.ndarray, ids: np.ndarray, values: torch.Tensor) -> None:
         """Overwrite rows (unique pairs) with ``[weights | optimizer state]`` values."""
@@ -205,15 +233,25 @@ class TierStack:
     # -- every row: export (RowExport), load (RowLoad) ------------------------------------------
 
     def export(self) -> tuple[np.ndarray, np.ndarray, torch.Tensor]:
-        """``(tables, ids, rows)`` of every stored row, its freshest copy, all at once."""
-        return self._export.all()
+        """``(tables, ids, rows)`` of every stored row that is live, its freshest copy, all at once."""
+        tables, ids, rows = self._export.all()
+        if self.live is None or not len(ids):
+            return tables, ids, rows
+        keep = self.live(tables, rows)
+        return tables[keep], ids[keep], rows[torch.from_numpy(keep)]
 
     def export_chunks(self, chunk_rows: int = 1 << 16, changed_only: bool = False,
                       share: SegmentSetWriter | None = None) -> Iterator[tuple[np.ndarray, np.ndarray, torch.Tensor]]:
-        """Every stored row once, its freshest copy, a chunk at a time; with ``changed_only``,
+        """Every stored row once (live, where rows expire), its freshest copy, a chunk at a time; with ``changed_only``,
         those changed since :meth:`mark_saved`; ``share`` takes sealed SSD segments by hard
         link instead (see :meth:`RowExport.chunks`)."""
-        return self._export.chunks(chunk_rows, changed_only, share)
+        chunks = self._export.chunks(chunk_rows, changed_only, share)
+        if self.live is None:
+            return chunks
+        # Rows gone are left out; a snapshot's hard-linked segments may still hold them (their
+        # stamps say they are gone, as here).
+        return ((t[keep], i[keep], r[torch.from_numpy(keep)])
+                for t, i, r in chunks for keep in [self.live(t, r)] if keep.any())
 
     def mark_saved(self) -> None:
         """The stored rows are in a snapshot now (saved, or just loaded from one): the next

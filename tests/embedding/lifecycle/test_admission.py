@@ -7,6 +7,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding import Admission, SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+from tests.embedding.lifecycle.id_streams import kjt, occurrences_kept, train, zipf_stream
 
 TABLES = [
     EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=1000, feature_names=["f0"]),
@@ -16,38 +17,19 @@ BATCH, STEPS = 32, 12
 
 
 def stream(seed: int = 0) -> list[list[tuple[np.ndarray, np.ndarray]]]:
-    """Per step, per feature, (lengths, ids): a Zipf head and a long tail of ids seen once."""
-    rng = np.random.default_rng(seed)
-    steps = []
-    for _ in range(STEPS):
-        features = []
-        for _f in range(2):
-            lengths = rng.integers(0, 4, BATCH)
-            ids = (rng.zipf(1.4, int(lengths.sum())) * 7919) % (1 << 40)
-            features.append((lengths, ids.astype(np.int64)))
-        steps.append(features)
-    return steps
-
-
-def kjt(features: list[tuple[np.ndarray, np.ndarray]]) -> KeyedJaggedTensor:
-    return KeyedJaggedTensor(keys=["f0", "f1"], values=torch.from_numpy(np.concatenate([i for _, i in features])),
-                             lengths=torch.from_numpy(np.concatenate([l for l, _ in features])))
+    return zipf_stream(seed, STEPS, BATCH, 1.4)
 
 
 def without_unadmitted(steps, admit_after: int):
     """The stream with every occurrence before an id's admitting step removed (exact counts):
     what a collection that admits every id must see to train as the admitting one does."""
     seen = [Counter(), Counter()]
-    out = []
-    for features in steps:
-        kept = []
-        for f, (lengths, ids) in enumerate(features):
-            seen[f].update(ids.tolist())
-            keep = np.array([seen[f][i] >= admit_after for i in ids.tolist()], dtype=bool)
-            bag = np.repeat(np.arange(len(lengths)), lengths)
-            kept.append((np.bincount(bag[keep], minlength=len(lengths)), ids[keep]))
-        out.append(kept)
-    return out
+
+    def admitted(step, f, ids):
+        seen[f].update(ids.tolist())
+        return np.array([seen[f][i] >= admit_after for i in ids.tolist()], dtype=bool)
+
+    return occurrences_kept(steps, admitted)
 
 
 def collection(tmp_path, name, **kwargs) -> TieredEmbeddingBagCollection:
@@ -55,16 +37,6 @@ def collection(tmp_path, name, **kwargs) -> TieredEmbeddingBagCollection:
     return TieredEmbeddingBagCollection(
         TABLES, optimizer=SparseAdam(lr=0.05), seed=3,
         storage=StorageConfig(device_rows=20, host_rows=0, ssd_dir=str(tmp_path / name)), **kwargs)
-
-
-def train(ebc, steps) -> list[torch.Tensor]:
-    weights = torch.randn(16, generator=torch.Generator().manual_seed(1))
-    outputs = []
-    for features in steps:
-        pooled = ebc(kjt(features)).values()
-        outputs.append(pooled.detach().clone())
-        (pooled @ weights).sum().backward()
-    return outputs
 
 
 @pytest.mark.parametrize("kernel", ["numba", "torch"])

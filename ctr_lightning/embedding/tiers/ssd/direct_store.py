@@ -224,7 +224,8 @@ class DirectSsdStore(RecordFile):
         """False: rows of another store are loaded as rows (they belong at fixed records here)."""
         return False
 
-    def adopt(self, path: Path, keys_path: Path, records: int, crc: int, keys: np.ndarray, take: np.ndarray) -> bool:
+    def adopt(self, path: Path, keys_path: Path, records: int, crc: int, keys: np.ndarray, take: np.ndarray,
+              newest: np.ndarray | None = None) -> bool:
         """False, nothing changed: see :meth:`can_adopt`."""
         return False
 

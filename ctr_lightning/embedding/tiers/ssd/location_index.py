@@ -196,6 +196,35 @@ def _put(shards, hashes, old, new, added):
 
 
 @numba.njit(cache=True, nogil=True)
+def _remove(shards, hashes, records, removed):
+    """Delete the entry of each key that points at ``records[i]`` (backward shift: the
+    entries after it move one place home-ward, so no tombstone is left); counted per shard
+    in ``removed``."""
+    order, starts = _by_shard(hashes)
+    for s in range(_SHARDS):
+        if starts[s] == starts[s + 1]:
+            continue
+        entries = shards[s]
+        size = len(entries)
+        for k in range(starts[s], starts[s + 1]):
+            i = order[k]
+            pos = _find(entries, hashes[i], records[i] + 1, -1)
+            if pos < 0:
+                continue
+            removed[s] += 1
+            while True:
+                after = pos + 1
+                if after == size:
+                    after = 0
+                cur = entries[after]
+                if cur == 0 or (after - _home(cur >> np.uint64(32), size)) % size == 0:
+                    entries[pos] = 0
+                    break
+                entries[pos] = cur
+                pos = after
+
+
+@numba.njit(cache=True, nogil=True)
 def _rehash(old_entries, new_entries) -> int:
     longest = 0
     for cur in old_entries:
@@ -281,6 +310,13 @@ class LocationIndex:
         if missing >= 0:
             raise RuntimeError(f"SSD log index: no entry of table {int(tables[missing])} id {int(ids[missing])} at "
                                f"record {int(old[missing])}, where the row was read from")
+
+    def remove(self, tables: np.ndarray, ids: np.ndarray, records: np.ndarray) -> None:
+        """Forget keys whose entry points at ``records`` (others are left as they are)."""
+        removed = np.zeros(_SHARDS, dtype=np.int64)
+        _remove(self.shards, _hashes(_i64(tables), _i64(ids)), _i64(records), removed)
+        self.counts -= removed
+        self.count -= int(removed.sum())
 
     def is_current(self, tables: np.ndarray, ids: np.ndarray, records: np.ndarray) -> np.ndarray:
         """Which records are the ones their keys point at (the live ones)."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ctr_lightning.embedding.lifecycle.row_expiry import read_last_seen
 from ctr_lightning.embedding.tiers.ssd.directory_lock import DirectoryLock
 from ctr_lightning.embedding.tiers.ssd.location_index import LocationIndex
 from ctr_lightning.embedding.tiers.ssd.record_io import transfer_records
@@ -53,7 +54,7 @@ class SsdLog:
     shares_segments = True
 
     def __init__(self, directory: str | os.PathLike, name: str, width: int, table_names: list[str],
-                 segment_bytes: int = 256 << 20, max_garbage: float = 0.3) -> None:
+                 segment_bytes: int = 256 << 20, max_garbage: float = 0.3, stamp_column: int | None = None) -> None:
         self.directory = Path(directory)
         self.name = name
         self.width = width
@@ -63,7 +64,12 @@ class SsdLog:
         self.segment_records = max(1, segment_bytes // self.record_bytes)
         self.index = LocationIndex()
         self.files = SegmentFiles(self.directory, name, table_names, self.record_words, self.segment_records)
-        self.cleaner = LogCleaner(self.files, self.index, self._append, max_garbage)
+        # Where rows expire: the column of a row's last lookup step, and per table the floor
+        # below which rows are gone (set by the training thread; it only rises).
+        self.stamp_column = stamp_column
+        self.floors: np.ndarray | None = None
+        self.cleaner = LogCleaner(self.files, self.index, self._append, max_garbage, lambda: self.floors,
+                                  stamp_column or 0)
         self._timing = {"ssd_write_us": 0, "ssd_clean_us": 0}
         # Held while the layout changes and while a prefetch thread locates rows; reading
         # located records needs no lock (their segments are pinned meanwhile).
@@ -111,9 +117,10 @@ class SsdLog:
 
     def counters(self) -> dict[str, int]:
         """So far: microseconds spent writing, cleaning and growing the index; segment
-        files cleaned and the live records they moved."""
+        files cleaned, the live records they moved, and the records of rows gone (expired)
+        that cleaning deleted."""
         return {**self._timing, "index_grow_us": self.index.grow_us, "ssd_segments_cleaned": self.segments_cleaned,
-                "ssd_records_moved": self.records_moved}
+                "ssd_records_moved": self.records_moved, "ssd_records_dropped": self.cleaner.records_dropped}
 
     # -- reads ---------------------------------------------------------------------------
 
@@ -203,6 +210,15 @@ class SsdLog:
 
     def _append(self, tables: np.ndarray, ids: np.ndarray, rows: np.ndarray, old: np.ndarray) -> np.ndarray:
         locations = self.files.append(make_records(tables, ids, rows), tables, ids)
+        if self.stamp_column is not None:
+            last = read_last_seen(rows, self.stamp_column)
+            numbers = locations // self.segment_records
+            for n in np.unique(numbers).tolist():
+                segment = self.files.segments[n]
+                if segment.newest is None:
+                    segment.newest = np.full(len(self.table_names), -2, dtype=np.int64)
+                mine = numbers == n
+                np.maximum.at(segment.newest, tables[mine], last[mine])
         # Only now do readers see the new copies.
         old = np.asarray(old, dtype=np.int64)
         self.index.put(tables, ids, old, locations)
@@ -242,9 +258,10 @@ class SsdLog:
         """As :meth:`LogSnapshots.can_adopt`."""
         return self.snapshots.can_adopt(record_bytes, records)
 
-    def adopt(self, path: Path, keys_path: Path, records: int, crc: int, keys: np.ndarray, take: np.ndarray) -> bool:
+    def adopt(self, path: Path, keys_path: Path, records: int, crc: int, keys: np.ndarray, take: np.ndarray,
+              newest: np.ndarray | None = None) -> bool:
         """As :meth:`LogSnapshots.adopt`."""
-        return self.snapshots.adopt(path, keys_path, records, crc, keys, take)
+        return self.snapshots.adopt(path, keys_path, records, crc, keys, take, newest)
 
     # -- everything ------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ctr_lightning.embedding.lifecycle.row_expiry import read_last_seen
 from ctr_lightning.embedding.tiers.ssd.location_index import LocationIndex
 from ctr_lightning.embedding.tiers.ssd.ssd_log_segments import BACKGROUND_READ_MIN, HEADER_WORDS, SegmentFiles, record_keys
 from ctr_lightning.embedding.tiers.ssd.ssd_tier import Relocated
@@ -13,6 +14,8 @@ from ctr_lightning.fault_points import reached
 
 # Appends rows ``(tables, ids, rows, old locations)`` to the log: their new locations.
 Append = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+# Per table, the floor below which rows are gone (see RowExpiry); None while rows never expire.
+Floors = Callable[[], "np.ndarray | None"]
 
 
 class LogCleaner:
@@ -24,19 +27,29 @@ class LogCleaner:
     most ``budget`` records, and a cleaning left half done goes on at the next call, so no
     write waits on a whole segment. Callers hold the log's lock.
 
+    Where rows expire (``floors``, and each row's last lookup step at ``stamp_column``), this is where their records are deleted: a cleaning drops
+    the records of rows gone instead of moving them, and each call first retires one sealed
+    segment whose every record is of a row gone (from its keys file alone; the records are
+    not read). Rows dropped are reported with location -1: a copy in memory has no SSD
+    record any more.
+
     Example::
 
         cleaner = LogCleaner(files, index, log._append, max_garbage=0.3)
         moved = cleaner.clean(budget=2 * len(ids))  # after each write
     """
 
-    def __init__(self, files: SegmentFiles, index: LocationIndex, append: Append, max_garbage: float) -> None:
+    def __init__(self, files: SegmentFiles, index: LocationIndex, append: Append, max_garbage: float,
+                 floors: Floors | None = None, stamp_column: int = 0) -> None:
         self.files = files
         self.index = index
         self.append = append
         self.max_garbage = max_garbage
+        self.floors: Floors = floors if floors is not None else (lambda: None)
+        self.stamp_column = stamp_column
         self.cleaning: tuple[int, int] | None = None  # (segment, next slot) of a cleaning under way
         self.records_moved = 0
+        self.records_dropped = 0  # records of rows gone, deleted
 
     def garbage_over(self) -> bool:
         sealed = self.files.sealed()
@@ -47,7 +60,8 @@ class LogCleaner:
     def clean(self, budget: int) -> Relocated:
         """Move up to ``budget`` live records out of the emptiest segments while garbage is over."""
         files = self.files
-        moved: list[Relocated] = []
+        floors = self.floors()
+        moved: list[Relocated] = [self._retire_gone_segment(floors)] if floors is not None else []
         while budget > 0 and (self.cleaning is not None or self.garbage_over()):
             if self.cleaning is None:
                 victim = min(files.sealed(), key=lambda s: (s.live / max(s.written, 1), s.number))
@@ -60,6 +74,10 @@ class LogCleaner:
             records = files.read(locations, {number: victim.fd}, BACKGROUND_READ_MIN)
             tables, ids = record_keys(records)
             live = self.index.is_current(tables, ids, locations)
+            if floors is not None and live.any():
+                drop = live & (read_last_seen(records[:, HEADER_WORDS:], self.stamp_column) < floors[tables])
+                moved.append(self._drop(tables[drop], ids[drop], locations[drop]))
+                live &= ~drop
             if live.any():
                 new = self.append(tables[live], ids[live], records[live, HEADER_WORDS:], locations[live])
                 moved.append(Relocated(tables[live], ids[live], new))
@@ -72,3 +90,26 @@ class LogCleaner:
             else:
                 self.cleaning = (number, slot + take)
         return Relocated.latest(moved)
+
+    def _drop(self, tables: np.ndarray, ids: np.ndarray, locations: np.ndarray) -> Relocated:
+        """Delete live records of rows gone: the index forgets them."""
+        self.index.remove(tables, ids, locations)
+        self.files.count_live(locations, -1)
+        self.records_dropped += len(ids)
+        return Relocated(tables, ids, np.full(len(ids), -1, dtype=np.int64))
+
+    def _retire_gone_segment(self, floors: np.ndarray) -> Relocated:
+        """Retire one sealed segment that holds only rows gone (by its newest record of each
+        table), if there is one; its live records are dropped."""
+        busy = self.cleaning[0] if self.cleaning is not None else -1
+        for segment in self.files.sealed():
+            if segment.newest is None or segment.number == busy or not (segment.newest < floors).all():
+                continue
+            keys = self.files.sealed_keys(segment, durable=False)
+            tables, ids = keys["table"].astype(np.int64), keys["id"].astype(np.int64)
+            locations = segment.number * self.files.segment_records + np.arange(len(keys), dtype=np.int64)
+            live = self.index.is_current(tables, ids, locations)
+            dropped = self._drop(tables[live], ids[live], locations[live]) if live.any() else Relocated()
+            self.files.retire(segment)
+            return dropped
+        return Relocated()

@@ -76,6 +76,10 @@ class Segment:
     keys_fd: int = -1  # the keys file (each record's (table, id), in slot order): open while appended to
     crc: int = 0  # CRC-32 of the file as written so far (appends only): no re-read to share it
     synced: bool = False  # fsynced since sealed (a snapshot shares it)
+    # Per table, the newest last-lookup step of its records (-2: none), where rows expire;
+    # None: not known (adopted from a snapshot). A segment whose every table's newest is
+    # below that table's floor holds only rows gone (see RowExpiry).
+    newest: np.ndarray | None = None
 
     @property
     def keys_path(self) -> Path:
@@ -295,9 +299,9 @@ class SegmentFiles:
         self.bytes_read += out.nbytes
         return out
 
-    def sealed_keys(self, segment: Segment) -> np.ndarray:
-        """The keys of a sealed segment's records, read from its keys file; both files are
-        made durable first (once)."""
+    def sealed_keys(self, segment: Segment, durable: bool = True) -> np.ndarray:
+        """The keys of a sealed segment's records, read from its keys file; with ``durable``
+        (a snapshot shares them) both files are made durable first (once)."""
         action, path = "opening", segment.keys_path
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -306,7 +310,7 @@ class SegmentFiles:
                 keys = np.frombuffer(os.pread(fd, segment.written * KEY.itemsize, 0), dtype=KEY)
                 if len(keys) != segment.written:
                     raise OSError(errno.EIO, "cut short")
-                if not segment.synced:
+                if durable and not segment.synced:
                     action = "syncing"
                     os.fsync(fd)
                     path = segment.path

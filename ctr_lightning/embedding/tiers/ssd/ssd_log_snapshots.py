@@ -98,13 +98,15 @@ class LogSnapshots:
                 keys = files.sealed_keys(segment)
                 locations = number * files.segment_records + np.arange(segment.written, dtype=np.int64)
                 live = self.index.is_current(keys["table"], keys["id"], locations)
-            yield SealedSegment(number, segment.path, segment.keys_path, segment.written, segment.crc, keys, live)
+            yield SealedSegment(number, segment.path, segment.keys_path, segment.written, segment.crc, keys, live,
+                                segment.newest)
 
     def can_adopt(self, record_bytes: int, records: int) -> bool:
         """Whether a sealed segment of these dimensions fits this log's record numbers."""
         return record_bytes == self.files.record_bytes and records <= self.files.segment_records
 
-    def adopt(self, path: Path, keys_path: Path, records: int, crc: int, keys: np.ndarray, take: np.ndarray) -> bool:
+    def adopt(self, path: Path, keys_path: Path, records: int, crc: int, keys: np.ndarray, take: np.ndarray,
+              newest: np.ndarray | None = None) -> bool:
         """Make a sealed segment of another log (a snapshot's hard link) one of this log's
         by hard link, its records at ``take`` live (keys absent here). False, with nothing
         changed, where the files cannot be linked (another file system)."""
@@ -128,7 +130,8 @@ class LogSnapshots:
                 raise OSError(e.errno, f"SSD tier of tables {files.table_names}: linking {source} as {target} "
                                        f"failed: {os.strerror(e.errno)}") from e
             slots = np.flatnonzero(take)
-            files.add(number, generation, dest, create=False, written=records, live=len(slots), crc=crc, synced=True)
+            files.add(number, generation, dest, create=False, written=records, live=len(slots), crc=crc, synced=True,
+                      newest=None if newest is None else np.array(newest, dtype=np.int64))
             self.index.put(keys["table"][slots], keys["id"][slots], np.full(len(slots), -1, dtype=np.int64),
                            number * files.segment_records + slots)
             return True

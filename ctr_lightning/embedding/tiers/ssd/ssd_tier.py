@@ -23,7 +23,7 @@ from ctr_lightning.embedding.tiers.ssd.directory_lock import DirectoryLock
 
 # What an SSD tier's counters read before it has done anything (and always, without one).
 NO_SSD_COUNTERS = {"ssd_write_us": 0, "ssd_clean_us": 0, "index_grow_us": 0, "ssd_segments_cleaned": 0,
-                   "ssd_records_moved": 0}
+                   "ssd_records_moved": 0, "ssd_records_dropped": 0}
 
 # Rows a chunk: (tables, ids, rows [n, width]).
 Entries = Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]
@@ -61,6 +61,7 @@ class SealedSegment:
     crc: int
     keys: np.ndarray  # KEY [records]
     live: np.ndarray  # bool [records]
+    newest: np.ndarray | None = None  # per table, its records' newest last-lookup step (see Segment)
 
 
 @runtime_checkable
@@ -149,9 +150,11 @@ class SsdTier(Protocol):
     def can_adopt(self, record_bytes: int, records: int) -> bool:
         """Whether a sealed segment of these dimensions could become one of its own."""
 
-    def adopt(self, path: Path, keys_path: Path, records: int, crc: int, keys: np.ndarray, take: np.ndarray) -> bool:
-        """Take a sealed segment by hard link, its records at ``take`` live; False, with
-        nothing changed, where it cannot."""
+    def adopt(self, path: Path, keys_path: Path, records: int, crc: int, keys: np.ndarray, take: np.ndarray,
+              newest: np.ndarray | None = None) -> bool:
+        """Take a sealed segment by hard link, its records at ``take`` live (``newest``: per
+        table its records' newest last-lookup step, where known); False, with nothing
+        changed, where it cannot."""
 
     def clear(self) -> None:
         """Forget every row."""

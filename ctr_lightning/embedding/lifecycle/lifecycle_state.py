@@ -1,0 +1,54 @@
+"""What admission and expiry keep beside the rows in a checkpoint."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from ctr_lightning.embedding.engine import TableEngine
+from ctr_lightning.embedding.table_setup import TableSetup
+
+
+class LifecycleState:
+    """The checkpoint entries of a collection's row lifecycle: admission's sighting counters
+    (``"sightings"``, the tables admission counts for) and expiry's floors (``"expiry"``, the
+    stamped tables), so a resumed run admits and keeps what an uninterrupted one would.
+    Entries read from a checkpoint wait (:meth:`take`) until the rows are loaded, and are
+    handed to the engine then (:meth:`restore`).
+
+    Example::
+
+        lifecycle = LifecycleState(setup)
+        extra_state.update(lifecycle.saved(engine))   # collective when sharded
+        lifecycle.take(extra_state)                    # a checkpoint's
+        lifecycle.restore(engine)                      # once its rows are in
+    """
+
+    KEYS = ("sightings", "expiry")
+
+    def __init__(self, setup: TableSetup) -> None:
+        self.setup = setup
+        self.pending: dict[str, Mapping[str, Any]] = {}
+
+    def saved(self, engine: Callable[[], TableEngine]) -> dict[str, Any]:
+        """The entries of the current state (none where neither is on). Collective when sharded."""
+        out: dict[str, Any] = {}
+        counts = engine().sightings() if self.setup.admission else {}
+        if counts:
+            out["sightings"] = {name: torch.from_numpy(c) for name, c in counts.items()}
+        if self.setup.expiry:
+            out["expiry"] = engine().expiry_floors()
+        return out
+
+    def take(self, state: Mapping[str, Any]) -> None:
+        self.pending.update({key: state[key] for key in self.KEYS if key in state})
+
+    def restore(self, engine: TableEngine) -> None:
+        pending, self.pending = self.pending, {}
+        if "expiry" in pending:  # which of the restored rows are gone
+            engine.load_expiry_floors({name: int(floor) for name, floor in pending["expiry"].items()})
+        if "sightings" in pending:
+            engine.load_sightings({name: np.asarray(counts) for name, counts in pending["sightings"].items()})

@@ -1,0 +1,201 @@
+"""Which stored rows of a group are gone: per table, a floor on the step each row was
+last looked up at, raised by ``ttl`` and ``max_rows``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from ctr_lightning.embedding.expiry_config import Expiry
+
+# Floats after a row's optimizer state that hold its last lookup step, plus one (0: never
+# looked up in training), as two exact float32 integers of 24 bits: steps up to 2^48.
+STAMP_WORDS = 2
+_LOW_BITS = 24
+_NO_FLOOR = -1  # tables without expiry: every stored row stays
+
+
+def read_last_seen(rows: torch.Tensor | np.ndarray, column: int) -> np.ndarray:
+    """The step each row was last looked up at in training (-1: never), from its stamp."""
+    words = rows[:, column : column + STAMP_WORDS]
+    words = words.cpu().numpy() if isinstance(words, torch.Tensor) else np.asarray(words)
+    return (words[:, 0].astype(np.int64) << _LOW_BITS) + words[:, 1].astype(np.int64) - 1
+
+
+def stamp_words(steps: np.ndarray | int) -> np.ndarray:
+    """The two stamp floats ``[n, 2]`` (``[2]`` for one) of rows last looked up at ``steps``."""
+    mark = np.asarray(steps, dtype=np.int64) + 1
+    return np.stack([mark >> _LOW_BITS, mark & ((1 << _LOW_BITS) - 1)], axis=-1).astype(np.float32)
+
+
+class RowExpiry:
+    """The expiry of one table group's tables (:class:`Expiry`; None: rows stay, and record
+    no lookup step). Tables with an Expiry are *stamped*: each row records its last lookup.
+
+    A stored row is *live* while the step it was last looked up at in training is at least
+    its table's floor; rows below it are gone wherever a copy of them lies (memory, SSD,
+    a snapshot), so their physical deletion may come at any time later. The floor only
+    rises: to ``clock - ttl`` with the table's step count, and to the oldest step whose
+    rows, with all newer ones, fit ``max_rows``. For that each table keeps the count of
+    live rows per last-lookup step. ``ttl`` needs nothing of other ranks, so a table
+    sharded row-wise (``partitions[t] = (world, rank)``) may expire rows; ``max_rows`` there
+    would need every rank's counts at each step and is refused for now.
+
+    Example::
+
+        expiry = RowExpiry(["user", "ad"], [Expiry(ttl=1000), None], stamp_column=96)
+        live = expiry.live(tables, rows)          # rows read from any tier
+        expiry.looked_up(tables, last_seen, step) # a training lookup's rows
+        expiry.advance(steps)                     # after the step: floors raised
+    """
+
+    def __init__(self, names: Sequence[str], settings: Sequence[Expiry | None], stamp_column: int,
+                 partitions: Sequence[tuple[int, int]] | None = None) -> None:
+        self.names = list(names)
+        self.settings = list(settings)
+        for name, s, (world, _) in zip(self.names, self.settings, partitions or [(1, 0)] * len(self.names)):
+            if s is not None and s.max_rows is not None and world > 1:
+                raise ValueError(f"table {name!r}: Expiry.max_rows on a table sharded row-wise over {world} ranks is "
+                                 f"not supported yet (the cap needs every rank's counts at each step); shard it "
+                                 f"table_wise, or use Expiry.ttl")
+        self.column = stamp_column
+        n = len(self.names)
+        self.stamped = np.array([s is not None for s in self.settings], dtype=bool)
+        self.ttl = np.array([s.ttl if s is not None and s.ttl is not None else -1 for s in self.settings],
+                            dtype=np.int64)
+        self.max_rows = np.array([s.max_rows if s is not None and s.max_rows is not None else -1
+                                  for s in self.settings], dtype=np.int64)
+        # Tables whose rows go count their live rows per last-lookup step (stamped tables that
+        # expire nothing would count without end, and need no count).
+        self.counting = (self.ttl >= 0) | (self.max_rows >= 0)
+        self.floor = np.where(self.stamped, 0, _NO_FLOOR).astype(np.int64)
+        # Live rows per last-lookup step: counts[t][k] rows last looked up at step base[t] + k.
+        self.counts: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(n)]
+        self.base = np.zeros(n, dtype=np.int64)
+        self.per_table = {name: {"expired": 0, "evicted": 0} for t, name in enumerate(self.names)
+                          if self.counting[t]}
+        self.needs_recount = False  # rows were loaded: count them before the next step
+
+    @property
+    def active(self) -> bool:
+        return bool(self.stamped.any())
+
+    # -- reads ------------------------------------------------------------------------------
+
+    def last_seen(self, rows: torch.Tensor | np.ndarray) -> np.ndarray:
+        return read_last_seen(rows, self.column)
+
+    def live(self, tables: np.ndarray, rows: torch.Tensor | np.ndarray) -> np.ndarray:
+        """Which of these stored rows (``[n, width]``, of local ``tables``) are still there."""
+        if not len(tables):
+            return np.ones(0, dtype=bool)
+        return self.last_seen(rows) >= self.floor[tables]
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Rows gone so far over this group's tables: by ``ttl`` (expired) and by ``max_rows`` (evicted)."""
+        return {"rows_expired": sum(c["expired"] for c in self.per_table.values()),
+                "rows_evicted": sum(c["evicted"] for c in self.per_table.values())}
+
+    def live_rows(self) -> dict[str, int]:
+        """Per table whose rows go, the rows live now (this process's share)."""
+        return {name: int(self.counts[t][max(0, self.floor[t] - self.base[t]):].sum())
+                for t, name in enumerate(self.names) if self.counting[t]}
+
+    # -- a training step -------------------------------------------------------------------
+
+    def looked_up(self, tables: np.ndarray, last_seen: np.ndarray, step: np.ndarray) -> None:
+        """A training lookup's stored rows (unique), each last looked up at ``last_seen``
+        before (-1 or below the floor: new, or back after expiring), now at ``step[t]``."""
+        for t in np.unique(tables[self.counting[tables]]):
+            mine = tables == t
+            before = last_seen[mine]
+            before = before[before >= self.floor[t]]
+            self._add(int(t), before, -1)
+            self._add(int(t), np.full(int(mine.sum()), int(step[t]), dtype=np.int64), +1)
+
+    def _add(self, t: int, steps: np.ndarray, sign: int) -> None:
+        if not len(steps):
+            return
+        end = int(steps.max()) + 1 - self.base[t]
+        if end > len(self.counts[t]):
+            grown = np.zeros(max(end, 2 * len(self.counts[t]), 64), dtype=np.int64)
+            grown[: len(self.counts[t])] = self.counts[t]
+            self.counts[t] = grown
+        np.add.at(self.counts[t], steps - self.base[t], sign)
+
+    def advance(self, clock: np.ndarray) -> None:
+        """After a training step (``clock``: the tables' step counts now): raise the floors."""
+        for t in np.flatnonzero(self.counting):
+            floor = int(self.floor[t])
+            if self.ttl[t] >= 0:
+                floor = max(floor, int(clock[t]) - int(self.ttl[t]))
+            ttl_floor = floor
+            if self.max_rows[t] >= 0:
+                floor = max(floor, self._cap_floor(int(t), floor, int(clock[t])))
+            self._raise_floor(int(t), ttl_floor, floor)
+
+    def _window(self, t: int, start: int, stop: int) -> np.ndarray:
+        """Live rows per step of ``[start, stop)``, this process's."""
+        out = np.zeros(stop - start, dtype=np.int64)
+        counts, base = self.counts[t], int(self.base[t])
+        lo, hi = max(start, base), min(stop, base + len(counts))
+        if hi > lo:
+            out[lo - start : hi - start] = counts[lo - base : hi - base]
+        return out
+
+    def _cap_floor(self, t: int, floor: int, clock: int) -> int:
+        """The oldest step whose rows, with all newer ones, fit ``max_rows``."""
+        window = self._window(t, floor, clock + 1)
+        newer = np.cumsum(window[::-1])[::-1]  # rows last looked up at that step or later
+        fits = np.flatnonzero(newer <= self.max_rows[t])
+        if not len(fits) or (len(window) >= 2 and newer[-2] > self.max_rows[t]):
+            raise ValueError(f"table {self.names[t]!r}: one training batch touched {int(window[-2:].sum())} rows, more "
+                             f"than Expiry.max_rows ({int(self.max_rows[t])}); raise max_rows")
+        return floor + int(fits[0])
+
+    def _raise_floor(self, t: int, ttl_floor: int, floor: int) -> None:
+        old = int(self.floor[t])
+        if floor <= old:
+            return
+        gone = self._window(t, old, floor)
+        by_ttl = int(gone[: max(0, ttl_floor - old)].sum())
+        name = self.names[t]
+        self.per_table[name]["expired"] += by_ttl
+        self.per_table[name]["evicted"] += int(gone.sum()) - by_ttl
+        self.floor[t] = floor
+        drop = min(floor - int(self.base[t]), len(self.counts[t]))
+        if drop > 0:
+            self.counts[t] = self.counts[t][drop:].copy()
+            self.base[t] += drop
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def state(self) -> dict[str, int]:
+        """Per stamped table, its floor: with the rows' stamps and step counts, it says which
+        stored rows are live (the per-step counts are recounted from the rows at a load)."""
+        return {name: int(self.floor[t]) for t, name in enumerate(self.names) if self.stamped[t]}
+
+    def load(self, floors: dict[str, int]) -> None:
+        for t, name in enumerate(self.names):
+            if not self.stamped[t]:
+                continue
+            if name not in floors:
+                raise KeyError(f"table {name!r} has Expiry but the checkpoint holds no expiry floor for it (saved "
+                               f"without expiry?)")
+            self.floor[t] = int(floors[name])
+        self.needs_recount = True
+
+    def recount(self, chunks: Callable[[], Iterable[tuple[np.ndarray, np.ndarray, torch.Tensor]]]) -> None:
+        """Count the live rows per last-lookup step anew from every stored row (after a load):
+        ``chunks()`` yields ``(tables, ids, rows)``."""
+        self.counts = [np.zeros(0, dtype=np.int64) for _ in self.names]
+        self.base = np.where(self.stamped, np.maximum(self.floor, 0), 0).astype(np.int64)
+        for tables, _, rows in chunks():
+            last = self.last_seen(rows)
+            keep = self.counting[tables] & (last >= self.floor[tables])
+            for t in np.unique(tables[keep]):
+                self._add(int(t), last[keep & (tables == t)], +1)
+        self.needs_recount = False

@@ -1,0 +1,202 @@
+import numpy as np
+import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+from ctr_lightning.embedding import Admission, Expiry, SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+from tests.embedding.lifecycle.id_streams import kjt, occurrences_kept, train, zipf_stream
+
+TABLES = [
+    EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=1000, feature_names=["f0"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=1000, feature_names=["f1"]),
+]
+BATCH, STEPS = 16, 24
+
+
+def stream(seed: int = 0, steps: int = STEPS) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    return zipf_stream(seed, steps, BATCH, 1.3)
+
+
+def lives(steps, ttl: int | None = None, max_rows: int | None = None):
+    """What expiry must do, computed apart from the library: per table, each id's last
+    lookup step and the step its current life began, and the floor after the last step."""
+    last = [{}, {}]
+    began = [{}, {}]
+    floor = [0, 0]
+    for clock, features in enumerate(steps):
+        for t, (_, ids) in enumerate(features):
+            for i in np.unique(ids).tolist():
+                if last[t].get(i, -1) < floor[t]:
+                    began[t][i] = clock
+                last[t][i] = clock
+            new_floor = floor[t]
+            if ttl is not None:
+                new_floor = max(new_floor, clock + 1 - ttl)
+            if max_rows is not None:
+                while sum(1 for s in last[t].values() if s >= new_floor) > max_rows:
+                    new_floor += 1
+            floor[t] = new_floor
+    live = [{i: b for i, b in began[t].items() if last[t][i] >= floor[t]} for t in range(2)]
+    return live, [{i for i, s in last[t].items() if s < floor[t]} for t in range(2)]
+
+
+def from_life_start(steps, live):
+    """The stream with every occurrence of a live id before its current life removed, and
+    ids gone dropped: what a collection that keeps every row must see to hold the live rows
+    as the expiring one does (the loss below is linear: a row's updates are its own)."""
+    return occurrences_kept(steps, lambda step, t, ids: np.array(
+        [i in live[t] and step >= live[t][i] for i in ids.tolist()], dtype=bool))
+
+
+def collection(tmp_path, name, **kwargs) -> TieredEmbeddingBagCollection:
+    # A 30-row device tier a table over an SSD tier: rows leave memory, expire there, come back.
+    return TieredEmbeddingBagCollection(
+        TABLES, optimizer=SparseAdam(lr=0.05), seed=3,
+        storage=StorageConfig(device_rows=30, host_rows=0, ssd_dir=str(tmp_path / name),
+                              ssd_segment_bytes=4096), **kwargs)
+
+
+def check_rows(ebc, reference, live, gone) -> None:
+    fresh = TieredEmbeddingBagCollection(TABLES, seed=3)
+    for t, name in enumerate(("t0", "t1")):
+        ids = sorted(live[t])
+        torch.testing.assert_close(ebc.rows(name, ids), reference.rows(name, ids), atol=0, rtol=0)
+        dead = sorted(gone[t])
+        assert len(dead) > 3
+        torch.testing.assert_close(ebc.rows(name, dead), fresh.rows(name, dead), atol=0, rtol=0)
+        assert ebc.expiry_counts()[name]["rows"] == len(ids)
+
+
+@pytest.mark.parametrize("kernel", ["numba", "torch"])
+def test_ttl_keeps_the_rows_looked_up_in_the_window_trained_from_their_return(tmp_path, kernel):
+    steps = stream()
+    ebc = collection(tmp_path, f"e_{kernel}", expiry=Expiry(ttl=3), kernel=kernel)
+    train(ebc, steps)
+    live, gone = lives(steps, ttl=3)
+    reference = collection(tmp_path, f"r_{kernel}", kernel=kernel)
+    train(reference, from_life_start(steps, live))
+    check_rows(ebc, reference, live, gone)
+    restarted = sum(1 for t in range(2) for i, b in live[t].items() if b > 0 and i in {
+        x for f in steps[: b] for x in f[t][1].tolist()})
+    assert restarted > 3  # ids that expired and came back: they start over
+    assert ebc.tier_stats()["rows_expired"] > 10 and ebc.tier_stats()["ssd_hits"] > 0
+
+
+def test_max_rows_keeps_the_most_recently_looked_up_rows(tmp_path):
+    steps = stream(seed=1)
+    ebc = collection(tmp_path, "m", expiry=Expiry(max_rows=60))
+    train(ebc, steps)
+    live, gone = lives(steps, max_rows=60)
+    assert all(len(live[t]) <= 60 for t in range(2))
+    reference = collection(tmp_path, "r")
+    train(reference, from_life_start(steps, live))
+    check_rows(ebc, reference, live, gone)
+    assert ebc.tier_stats()["rows_evicted"] > 10 and ebc.tier_stats()["rows_expired"] == 0
+
+
+def test_the_ssd_files_of_rows_gone_are_deleted_and_the_tables_stop_growing(tmp_path):
+    """Every step brings 16 ids never seen before a table: without expiry the SSD files grow with
+    the steps; with a ttl the cleaning deletes the records of rows gone, whole segments of
+    them at once, and the files level off."""
+    fresh_ids = iter(range(10**6, 2 * 10**6))
+    steps = []
+    for _ in range(48):
+        features = []
+        for _f in range(2):
+            lengths = np.ones(BATCH, dtype=np.int64)
+            ids = np.array([next(fresh_ids) for _ in range(BATCH)], dtype=np.int64)
+            features.append((lengths, ids))
+        steps.append(features)
+    sizes = {}
+    weights = torch.randn(16, generator=torch.Generator().manual_seed(1))
+    for name, expiry in (("kept", None), ("ttl", Expiry(ttl=2)), ("resumed", Expiry(ttl=2))):
+        ebc = collection(tmp_path, name, expiry=expiry)
+        sizes[name] = []
+        for step, features in enumerate(steps):
+            if name == "resumed" and step == 12:
+                # A resume from a snapshot on the same file system takes the SSD segments by
+                # hard link: they must still be deleted once their rows are gone.
+                ebc.checkpoint_to_snapshots(tmp_path / "snapshots")
+                state = ebc.get_extra_state()
+                del ebc
+                ebc = collection(tmp_path, "resumed_again", expiry=expiry)
+                ebc.set_extra_state(state)
+            (ebc(kjt(features)).values() @ weights).sum().backward()
+            sizes[name].append(ebc.storage_stats())
+        if name == "ttl":
+            counters = ebc.tier_stats()
+            live, _ = lives(steps, ttl=2)
+            assert ebc.expiry_counts()["t0"]["rows"] == len(live[0])
+    grown = {name: s[-1]["ssd_bytes"] / s[11]["ssd_bytes"] for name, s in sizes.items()}
+    assert grown["kept"] > 3.0  # 4x the steps, 4x the rows
+    assert grown["ttl"] < 1.3 and grown["resumed"] < 1.3
+    assert sizes["ttl"][-1]["ssd_rows"] < 0.3 * sizes["kept"][-1]["ssd_rows"]
+    assert counters["ssd_records_dropped"] > 1000 and counters["rows_expired"] > 1000
+
+
+def test_a_resume_keeps_and_drops_what_an_uninterrupted_run_does_with_admission(tmp_path):
+    steps = stream(seed=2, steps=30)
+    settings = dict(expiry={"t0": Expiry(ttl=4, max_rows=24), "t1": Expiry(ttl=6)},
+                    admission=Admission(admit_after=2))
+    uninterrupted = collection(tmp_path, "u", **settings)
+    want = train(uninterrupted, steps)
+    first = collection(tmp_path, "a", **settings)
+    train(first, steps[:13])
+    first.checkpoint_to_snapshots(None)  # a state dict gathers the SSD rows on purpose
+    state = first.state_dict()
+    assert set(state["_extra_state"]["expiry"]) == {"t0", "t1"}
+    resumed = collection(tmp_path, "b", **settings)
+    resumed.load_state_dict(state)
+    got = train(resumed, steps[13:])
+    for a, b in zip(got, want[13:]):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    ids = np.unique(np.concatenate([f[0][1] for f in steps]))
+    torch.testing.assert_close(resumed.rows("t0", ids), uninterrupted.rows("t0", ids), atol=0, rtol=0)
+    assert resumed.expiry_counts()["t0"]["rows"] == uninterrupted.expiry_counts()["t0"]["rows"] <= 24
+    counts = uninterrupted.tier_stats()
+    assert counts["rows_expired"] > 0 and counts["rows_evicted"] > 0 and counts["rows_rejected"] > 0
+    # Without the floors, rows gone before the cut would be back: it differs.
+    state["_extra_state"].pop("expiry")
+    forgetful = collection(tmp_path, "c", **settings)
+    forgetful.load_state_dict(state)
+    assert any(not torch.equal(a, b) for a, b in zip(train(forgetful, steps[13:]), want[13:]))
+
+
+def test_bad_expiry_settings_name_the_setting_or_table():
+    with pytest.raises(ValueError, match="ttl must be a whole number"):
+        Expiry(ttl=0)
+    with pytest.raises(ValueError, match="max_rows must be a whole number"):
+        Expiry(max_rows=-1)
+    with pytest.raises(ValueError, match="table 't0'.*hashed ids"):
+        TieredEmbeddingBagCollection(TABLES, id_space={"t0": "bounded", "t1": "hashed"}, expiry={"t0": Expiry(ttl=5)})
+    with pytest.raises(ValueError, match=r"unknown tables \['nope'\]"):
+        TieredEmbeddingBagCollection(TABLES, expiry={"nope": Expiry(ttl=5)})
+    ebc = TieredEmbeddingBagCollection(TABLES, expiry={"t1": Expiry(max_rows=5)})
+    with pytest.raises(ValueError, match="table 't1': one training batch touched .* rows, more than Expiry.max_rows"):
+        train(ebc, stream(steps=1))
+
+
+def test_rows_read_ahead_and_rows_in_flight_stay_while_the_cleaning_deletes_others(tmp_path):
+    """With the working-set prefetcher reading rows ahead from SSD while the cleaning
+    deletes the records of rows gone, training equals fetching on demand, bit for bit, and
+    every row of each batch is stored after its step (its stamp is the step's)."""
+    from ctr_lightning.embedding import WorkingSetPrefetcher
+
+    steps = stream(seed=6, steps=40)
+    batches = [kjt(features) for features in steps]
+    weights = torch.randn(16, generator=torch.Generator().manual_seed(1))
+    untrained = TieredEmbeddingBagCollection(TABLES, seed=3)
+    runs = {}
+    for name, lookahead in (("demand", None), ("ahead", 4)):
+        ebc = collection(tmp_path, name, expiry=Expiry(ttl=3))
+        loop = batches if lookahead is None else WorkingSetPrefetcher(batches, ebc, lookahead, release_on_next=True)
+        for features, batch in zip(steps, loop):
+            (ebc(batch).values() @ weights).sum().backward()
+            trained = np.unique(features[0][1])
+            # Each row trained (no row reads its initial weights, as a row gone would).
+            assert (ebc.rows("t0", trained) != untrained.rows("t0", trained)).any(dim=1).all()
+        runs[name] = ebc
+    ids = np.unique(np.concatenate([f[0][1] for f in steps]))
+    torch.testing.assert_close(runs["ahead"].rows("t0", ids), runs["demand"].rows("t0", ids), atol=0, rtol=0)
+    counters = runs["ahead"].tier_stats()
+    assert counters["prefetch_hits"] > 0 and counters["ssd_records_dropped"] > 0

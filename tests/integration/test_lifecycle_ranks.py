@@ -1,0 +1,191 @@
+"""The row lifecycle sharded over 2 gloo ranks: admission admits exactly what one process
+does, and expiry with admission keeps exactly the rows one process keeps, straight through
+and across a resume in the middle of the stream; k-step tables keep the same rows across a
+resume. One launch of the ranks runs every case; each test checks its own."""
+
+import sys
+
+import pytest
+import torch
+
+# Run by each rank and by the one-process reference: the same global batches, each rank its
+# slice; each case trained straight through, and cut in the middle and resumed in a new
+# collection from the state dict.
+# Admission (64-example batches, cut after 5 of 10 steps): row-wise, table-wise, and on 2
+# ranks k-step tables (merges every 2 steps), whose owners admit at each merge on all ranks'
+# sightings of the interval.
+# Expiry with admission (32-example batches, cut after 7 of 14 steps): row-wise tables expire
+# by ttl; a table-wise table also has a row cap.
+RANK_SCRIPT = r"""
+import os, sys
+import numpy as np, torch, torch.distributed as dist
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from ctr_lightning.embedding import Admission, Expiry, SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+
+rank, world, out_dir, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+if world > 1:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+TABLES = [
+    EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=400, feature_names=["f0"]),
+    EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=300, feature_names=["f1"],
+                       pooling=PoolingType.MEAN),
+]
+
+def global_batch(step, size):
+    rng = np.random.default_rng(step)
+    lengths = np.stack([rng.integers(1, 3, size), rng.integers(0, 4, size)])
+    ids = [(rng.zipf(1.3, size=l.sum()) * 7919) % (1 << 40) for l in lengths]
+    return lengths, ids
+
+def local_kjt(step, size):
+    lengths, ids = global_batch(step, size)
+    share = size // world
+    values, lens = [], []
+    for l, v in zip(lengths, ids):
+        offsets = np.concatenate([[0], np.cumsum(l)])
+        lo, hi = rank * share, (rank + 1) * share
+        values.append(v[offsets[lo]:offsets[hi]])
+        lens.append(l[lo:hi])
+    return KeyedJaggedTensor(keys=["f0", "f1"], values=torch.from_numpy(np.concatenate(values)),
+                             lengths=torch.from_numpy(np.concatenate(lens)))
+
+loss_weights = torch.randn(16, generator=torch.Generator().manual_seed(0))
+
+def run(make, label, steps, cut, size):
+    # The case trained: straight through, or cut and resumed in a new collection. Returns it,
+    # the rows of every id seen and its extra state (both collective when sharded).
+    ebc = make(label)
+    for step in range(steps):
+        if label.endswith("resumed") and step == cut:
+            ebc.checkpoint_to_snapshots(None)
+            state = ebc.state_dict()
+            ebc = make(label + "_again")
+            ebc.load_state_dict(state)
+        pooled = ebc(local_kjt(step, size)).values()
+        (pooled @ loss_weights).mean().backward()
+    seen = {t.name: sorted({int(i) for s in range(steps) for i in global_batch(s, size)[1][k]})
+            for k, t in enumerate(TABLES)}
+    rows = {name: ebc.rows(name, ids) for name, ids in seen.items()}
+    ebc.checkpoint_to_snapshots(None)
+    return ebc, rows, ebc.get_extra_state()
+
+def gathered(value):
+    out = [None] * world
+    if world > 1:
+        dist.all_gather_object(out, value)
+    else:
+        out = [value]
+    return out
+
+def storage(label, **kwargs):
+    return StorageConfig(device_rows=kwargs.pop("device_rows"), host_rows=0,
+                         ssd_dir=os.path.join(out_dir, f"ssd_{label}_{world}"), **kwargs)
+
+def admitting(label):
+    sync = dict(sparse_sync="k_step", sync_every=2) if label.startswith("kstep") else {}
+    return TieredEmbeddingBagCollection(
+        TABLES, optimizer=SparseAdam(lr=0.05), sharding=label.split("+")[0].replace("kstep_", ""),
+        admission=Admission(admit_after=2), storage=storage(label, device_rows=40), **sync)
+
+LABELS = ["row_wise", "table_wise", "row_wise+resumed"]
+if world > 1:
+    LABELS += ["kstep_row_wise", "kstep_row_wise+resumed", "kstep_table_wise", "kstep_table_wise+resumed"]
+for label in LABELS:
+    ebc, rows, state = run(admitting, label, steps=10, cut=5, size=64)
+    counters = gathered(ebc.tier_stats())
+    if rank == 0:
+        torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
+                    "sightings": state["sightings"], "counters": counters},
+                   os.path.join(out_dir, f"admission_{label}_{world}.pt"))
+
+def expiring(label):
+    sharding = label.split("+")[0]
+    expiry = ({"t0": Expiry(ttl=3), "t1": Expiry(ttl=2)} if sharding == "row_wise" else
+              {"t0": Expiry(ttl=3, max_rows=25), "t1": Expiry(ttl=2)})
+    return TieredEmbeddingBagCollection(
+        TABLES, optimizer=SparseAdam(lr=0.05), sharding=sharding, admission=Admission(admit_after=2), expiry=expiry,
+        storage=storage("expiry_" + label, device_rows=30, ssd_segment_bytes=4096))
+
+for label in ["row_wise", "row_wise+resumed", "table_wise", "table_wise+resumed"]:
+    ebc, rows, state = run(expiring, label, steps=14, cut=7, size=32)
+    counts = gathered(ebc.expiry_counts())
+    if rank == 0:
+        torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
+                    "floors": state["expiry"], "counts": counts}, os.path.join(out_dir, f"expiry_{label}_{world}.pt"))
+print("RESULT {}", flush=True)
+if dist.is_initialized():
+    dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, run_ranks_in_fixture):
+    """The directory of every case's results, one process's and 2 ranks'."""
+    out = tmp_path_factory.mktemp("lifecycle_ranks")
+    # The one-process reference runs here; the 2 ranks in processes of their own.
+    argv = sys.argv
+    sys.argv = ["rank", "0", "1", str(out), "0"]
+    try:
+        exec(compile(RANK_SCRIPT, "rank_script", "exec"), {"__name__": "__main__"})
+    finally:
+        sys.argv = argv
+    run_ranks_in_fixture(RANK_SCRIPT, ["2", str(out), "{port}"], world=2, ddp_env=False)
+    return out
+
+
+def load(runs, kind, label, world):
+    return torch.load(runs / f"{kind}_{label}_{world}.pt", weights_only=False)
+
+
+@pytest.mark.slow
+def test_two_ranks_admit_what_one_process_admits(runs):
+    one = load(runs, "admission", "row_wise", 1)
+    admitted = sum(c["rows_admitted"] for c in one["counters"])
+    assert admitted == sum(len(ids) for ids in one["stored"].values())  # every admitted row is stored
+    assert 20 < admitted and sum(c["rows_rejected"] for c in one["counters"]) > admitted
+    for label in ("row_wise", "table_wise", "row_wise+resumed"):
+        for world in (1, 2):
+            run = load(runs, "admission", label, world)
+            assert run["stored"] == one["stored"], (label, world)  # the same ids admitted, exactly
+            for name, counts in one["sightings"].items():
+                assert torch.equal(run["sightings"][name], counts), (label, world, name)
+            for name, rows in one["rows"].items():
+                torch.testing.assert_close(run["rows"][name], rows, atol=1e-5, rtol=0)
+    # Row-wise, each rank admitted its own share; the counts add up to one process's.
+    two = load(runs, "admission", "row_wise", 2)
+    assert all(c["rows_admitted"] > 0 for c in two["counters"])
+    assert sum(c["rows_admitted"] for c in two["counters"]) == admitted
+    # k-step tables: straight and resumed keep the same set of rows and the same sketches.
+    for kind in ("kstep_row_wise", "kstep_table_wise"):
+        straight = load(runs, "admission", kind, 2)
+        resumed = load(runs, "admission", kind + "+resumed", 2)
+        admitted = sum(c["rows_admitted"] for c in straight["counters"])
+        assert admitted == sum(len(ids) for ids in straight["stored"].values()) > 20
+        assert sum(c["rows_rejected"] for c in straight["counters"]) > admitted
+        assert resumed["stored"] == straight["stored"], kind
+        for name, counts in straight["sightings"].items():
+            assert torch.equal(resumed["sightings"][name], counts), (kind, name)
+
+
+@pytest.mark.slow
+def test_two_ranks_keep_the_rows_one_process_keeps(runs):
+    for sharding in ("row_wise", "table_wise"):
+        one = load(runs, "expiry", sharding, 1)
+        gone = {n: sum(c[n]["expired"] + c[n]["evicted"] for c in one["counts"]) for n in one["stored"]}
+        assert all(g > 10 for g in gone.values()), gone  # rows did go
+        assert sum(len(ids) for ids in one["stored"].values()) == sum(c[n]["rows"] for c in one["counts"] for n in c)
+        if sharding == "table_wise":
+            assert sum(c["t0"]["evicted"] for c in one["counts"]) > 0 and len(one["stored"]["t0"]) <= 25
+        for label in (sharding, sharding + "+resumed"):
+            for world in (1, 2):
+                run = load(runs, "expiry", label, world)
+                assert run["stored"] == one["stored"], (label, world)  # the same rows kept, exactly
+                assert run["floors"] == one["floors"], (label, world)
+                for name, rows in one["rows"].items():
+                    torch.testing.assert_close(run["rows"][name], rows, atol=1e-5, rtol=0)
+    # Row-wise, each rank expired its own share; the counts add up to one process's.
+    one = load(runs, "expiry", "row_wise", 1)
+    two = load(runs, "expiry", "row_wise", 2)
+    assert all(c["t0"]["expired"] > 0 for c in two["counts"])
+    assert sum(c["t0"]["expired"] for c in two["counts"]) == one["counts"][0]["t0"]["expired"]
