@@ -19,16 +19,21 @@ import os
 if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
-from ctr_lightning.batch import Batch  # noqa: E402
+try:
+    import torch  # noqa: F401
+except ImportError:  # a serving host: ctr_lightning.serving reads exports with numpy and pyarrow alone
+    __all__: list[str] = []
+else:
+    from ctr_lightning.batch import Batch  # noqa: E402
 
-# The modules of every config class a checkpoint may hold (see checkpoint_safe): importing
-# ctr_lightning is then enough for torch.load(..., weights_only=True) to rebuild them.
-# None of them imports Lightning, so `import ctr_lightning.embedding` stays light.
-import ctr_lightning.embedding.optimizers  # noqa: E402,F401
-import ctr_lightning.embedding.sharding_plan  # noqa: E402,F401
-import ctr_lightning.embedding.storage_config  # noqa: E402,F401
-import ctr_lightning.node_layout  # noqa: E402,F401
-import ctr_lightning.synthetic_criteo_spec  # noqa: E402,F401
+    # The modules of every config class a checkpoint may hold (see checkpoint_safe): importing
+    # ctr_lightning is then enough for torch.load(..., weights_only=True) to rebuild them.
+    # None of them imports Lightning, so `import ctr_lightning.embedding` stays light.
+    import ctr_lightning.embedding.optimizers  # noqa: E402,F401
+    import ctr_lightning.embedding.sharding_plan  # noqa: E402,F401
+    import ctr_lightning.embedding.storage_config  # noqa: E402,F401
+    import ctr_lightning.node_layout  # noqa: E402,F401
+    import ctr_lightning.synthetic_criteo_spec  # noqa: E402,F401
 
-__all__ = ["Batch"]
+    __all__ = ["Batch"]
 __version__ = "0.1.0"

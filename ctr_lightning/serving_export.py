@@ -5,7 +5,8 @@ Layout of ``out``::
 
     export.json                        format, model class and hyperparameters, tables, files
     dense.safetensors                  every tensor of the state dict but the tables
-    tables/<table>/part-00000.parquet  columns table (string), id (int64), vector (float32[dim])
+    tables/<table>/part-00000.parquet  columns table (string), id (int64), vector (float32[dim]),
+                                       and last_seen (int64) where the table records it
 
 Only the weights of a row are exported (no optimizer state), each stored row once. Rows
 never stored were never trained; their value in the trained model is its initial one,
@@ -14,7 +15,11 @@ never stored were never trained; their value in the trained model is its initial
 ``init_range`` (``export.json`` holds it and the seed per table; torchrec's default
 ``-+sqrt(1 / num_embeddings)`` unless the table's config set another), or whatever default a
 server prefers; in a table that admits ids selectively (``"unstored": "zeros"``) a row stored
-nowhere was never admitted and reads zeros. The rows stream from the checkpoint's table snapshot (or from its in-file
+nowhere was never admitted and reads zeros. In a table with an
+:class:`~ctr_lightning.embedding.Expiry`, a row gone is left out (it reads as one stored
+nowhere), and each row's last lookup step is written: a delta export (``since``) holds only
+the rows looked up since the export it follows. :mod:`ctr_lightning.serving` reads them
+back. The rows stream from the checkpoint's table snapshot (or from its in-file
 tables) a chunk at a time, so memory stays constant whatever the tables' size.
 """
 
@@ -34,16 +39,18 @@ import pyarrow.parquet as pq
 import torch
 
 import ctr_lightning  # noqa: F401 - registers the config classes a checkpoint may hold
-from ctr_lightning.embedding.snapshots.row_files import file_sha256
+from ctr_lightning.embedding.lifecycle.row_expiry import STAMP_WORDS, read_last_seen
+from ctr_lightning.file_digest import file_sha256
+from ctr_lightning.serving import EXPORT_JSON, FORMAT, read_description
 from ctr_lightning.embedding.snapshots.table_snapshot import MANIFEST, SnapshotManifest, read_snapshot_file, verify
 from ctr_lightning.embedding.tiers.key_index import KeyIndex
 
-FORMAT = "ctr-lightning-export-1"
 
 
 def _table_chunks(extra: dict[str, Any], chunk_rows: int, beside: Path) -> tuple[
-        dict[str, dict[str, int]], Iterator[tuple[str, np.ndarray, torch.Tensor]]]:
-    """The tables of one collection's extra state and ``(table, ids, rows)`` chunks of them.
+        dict[str, dict[str, int]], dict[str, int], Iterator[tuple[str, np.ndarray, torch.Tensor]]]:
+    """The tables of one collection's extra state, their step counts and ``(table, ids,
+    rows)`` chunks of them.
     A snapshot is looked for by name in ``beside`` (the checkpoint's ``table_snapshots``)
     first, as a resume does: a copied run directory exports its own files."""
     if "snapshot" in extra:
@@ -78,7 +85,7 @@ def _table_chunks(extra: dict[str, Any], chunk_rows: int, beside: Path) -> tuple
                             if len(mine):
                                 yield name, ids[mine], rows[torch.from_numpy(mine)]
 
-        return manifest.tables, from_files()
+        return manifest.tables, dict(manifest.steps), from_files()
     if "tables" not in extra:
         raise KeyError("the checkpoint's table collection holds neither a snapshot reference nor tables")
     state = extra["tables"]
@@ -90,22 +97,24 @@ def _table_chunks(extra: dict[str, Any], chunk_rows: int, beside: Path) -> tuple
 
     # In-file tables carry their widths (older checkpoints do not: then the model's embedding_dim).
     dims = extra.get("dims") or {}
-    return {name: ({"dim": dims[name]} if name in dims else {}) for name in state}, from_state()
+    return ({name: ({"dim": dims[name]} if name in dims else {}) for name in state},
+            {name: int(table["steps"]) for name, table in state.items()}, from_state())
 
 
 class _TableWriter:
     """Parquet files of one table, a new file every ``rows_per_file`` rows."""
 
-    def __init__(self, directory: Path, name: str, dim: int, rows_per_file: int) -> None:
+    def __init__(self, directory: Path, name: str, dim: int, rows_per_file: int, stamped: bool) -> None:
         self.directory, self.name, self.dim, self.rows_per_file = directory, name, dim, rows_per_file
-        self.schema = pa.schema([("table", pa.string()), ("id", pa.int64()),
-                                 ("vector", pa.list_(pa.float32(), dim))])
+        directory.mkdir(parents=True, exist_ok=True)
+        self.schema = pa.schema([("table", pa.string()), ("id", pa.int64()), ("vector", pa.list_(pa.float32(), dim)),
+                                 *([("last_seen", pa.int64())] if stamped else [])])
         self.files: list[dict[str, Any]] = []
         self._writer: pq.ParquetWriter | None = None
         self._in_file = 0
         self.rows = 0
 
-    def write(self, ids: np.ndarray, vectors: np.ndarray) -> None:
+    def write(self, ids: np.ndarray, vectors: np.ndarray, last_seen: np.ndarray | None) -> None:
         start = 0
         while start < len(ids):
             if self._writer is None:
@@ -115,8 +124,11 @@ class _TableWriter:
                 self._in_file = 0
             n = min(len(ids) - start, self.rows_per_file - self._in_file)
             flat = pa.array(np.ascontiguousarray(vectors[start : start + n], dtype=np.float32).reshape(-1))
-            batch = pa.record_batch([pa.array([self.name] * n, pa.string()), pa.array(ids[start : start + n]),
-                                     pa.FixedSizeListArray.from_arrays(flat, self.dim)], schema=self.schema)
+            columns = [pa.array([self.name] * n, pa.string()), pa.array(ids[start : start + n]),
+                       pa.FixedSizeListArray.from_arrays(flat, self.dim)]
+            if last_seen is not None:
+                columns.append(pa.array(last_seen[start : start + n]))
+            batch = pa.record_batch(columns, schema=self.schema)
             self._writer.write_batch(batch)
             self._in_file += n
             self.files[-1]["rows"] += n
@@ -132,19 +144,28 @@ class _TableWriter:
 
 
 def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, rows_per_file: int = 1 << 20,
-                       chunk_rows: int = 1 << 16) -> dict[str, Any]:
+                       chunk_rows: int = 1 << 16, since: str | os.PathLike | None = None) -> dict[str, Any]:
     """Write the model of ``ckpt_path`` to ``out`` (see the module's docstring); returns
     what ``export.json`` holds. ``out`` must be empty or not exist.
+
+    With ``since``, an earlier export of the same run, write a delta: only the rows changed
+    since (looked up in training at or after that export's step counts), plus each table's
+    floor (rows last looked up before it are gone), the dense part whole, and ``since``
+    naming that export with its ``export.json``'s SHA-256. Every table must record its
+    rows' last lookup step (:class:`~ctr_lightning.embedding.Expiry`, ``Expiry()`` for none
+    to expire). :func:`ctr_lightning.serving.read_export` applies the chain.
 
     Example::
 
         export_for_serving("runs/demo/version_0/checkpoints/last.ckpt", "serving/v1")
+        export_for_serving("runs/demo/version_0/checkpoints/step=2000.ckpt", "serving/v2", since="serving/v1")
     """
     from safetensors.torch import save_file
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"export: {out} is not empty; export into a new directory")
+    previous = read_description(since) if since is not None else None
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     state = ckpt["state_dict"]
     extras = {k: v for k, v in state.items() if k.endswith("_extra_state") and isinstance(v, dict)}
@@ -161,33 +182,22 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
 
     tables_out: dict[str, dict[str, Any]] = {}
     for extra in collections.values():
-        configs, chunks = _table_chunks(extra, chunk_rows, Path(ckpt_path).parent / "table_snapshots")
-        init_ranges = extra.get("init_ranges") or {}  # tables at torchrec's default range are not listed
-        zero_unstored = set(extra.get("zero_unstored") or ())  # tables that admit ids selectively
-        writers: dict[str, _TableWriter] = {}
+        configs, steps, chunks = _table_chunks(extra, chunk_rows, Path(ckpt_path).parent / "table_snapshots")
+        floors = {name: int(floor) for name, floor in (extra.get("expiry") or {}).items()}  # stamped tables
+        changed_from = _changed_from(previous, since, configs, steps, floors) if previous is not None else {}
+        writers = {name: _TableWriter(out / "tables" / name, name,
+                                      int(config.get("dim") or hparams["embedding_dim"]), rows_per_file,
+                                      stamped=name in floors)
+                   for name, config in configs.items()}
         for name, ids, rows in chunks:
-            if name not in writers:
-                dim = int(configs.get(name, {}).get("dim") or hparams["embedding_dim"])
-                (out / "tables" / name).mkdir()
-                writers[name] = _TableWriter(out / "tables" / name, name, dim, rows_per_file)
-            writers[name].write(ids, rows[:, : writers[name].dim].numpy())
+            last_seen = None
+            if name in floors:  # rows gone (expired) may still lie in the snapshot's files: left out
+                last_seen = read_last_seen(rows, rows.shape[1] - STAMP_WORDS)
+                keep = last_seen >= max(floors[name], changed_from.get(name, floors[name]))
+                ids, rows, last_seen = ids[keep], rows[torch.from_numpy(keep)], last_seen[keep]
+            writers[name].write(ids, rows[:, : writers[name].dim].numpy(), last_seen)
         for name, config in configs.items():
-            writer = writers.get(name)
-            if writer is not None:
-                writer.close()
-            num_embeddings = int(config.get("num_embeddings") or hparams.get("num_embeddings", 0))
-            bound = math.sqrt(1 / num_embeddings) if num_embeddings else None
-            tables_out[name] = {
-                "dim": int(config.get("dim") or hparams["embedding_dim"]),
-                "num_embeddings": num_embeddings,
-                "seed": int(config.get("seed", hparams.get("seed", 0))),
-                "init_range": [float(x) for x in init_ranges[name]] if name in init_ranges else
-                              (None if bound is None else [-bound, bound]),
-                "unstored": "zeros" if name in zero_unstored else "initial",
-                "rows": writer.rows if writer else 0,
-                "files": [{"path": str(Path(f["path"]).relative_to(out)), "rows": f["rows"],
-                           "sha256": file_sha256(f["path"])} for f in (writer.files if writer else [])],
-            }
+            tables_out[name] = _table_entry(name, config, writers[name], out, hparams, extra, steps, floors)
 
     dense = {k: v.detach().clone().contiguous() for k, v in state.items()
              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
@@ -204,10 +214,58 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
                          "*range_bounds(*init_range)) of ctr_lightning.embedding.initializer, uniform in the "
                          "table's init_range; 'zeros': zeros (ids never admitted)",
     }
+    if since is not None:
+        description["since"] = {"path": os.path.relpath(Path(since).resolve(), out.resolve()),
+                                "sha256": file_sha256(Path(since) / EXPORT_JSON)}
     partial = out / "export.json.partial"
     partial.write_text(json.dumps(description, indent=1, sort_keys=True))
-    os.replace(partial, out / "export.json")  # last: the export is complete once it is there
+    os.replace(partial, out / EXPORT_JSON)  # last: the export is complete once it is there
     return description
+
+
+def _changed_from(previous: dict[str, Any], since: str | os.PathLike, configs: dict[str, Any],
+                  steps: dict[str, int], floors: dict[str, int]) -> dict[str, int]:
+    """Per table, the step from which a row's last lookup makes it part of a delta after
+    ``previous`` (the tables' step counts then); an error naming the table where a delta
+    cannot be written."""
+    out = {}
+    for name in configs:
+        if name not in floors:
+            raise ValueError(f"export --since {since}: table {name!r} does not record its rows' last lookup step, "
+                             f"so the rows changed since cannot be told apart; give it an Expiry (Expiry() expires "
+                             f"nothing) and export in full")
+        before = previous["tables"].get(name, {}).get("steps")
+        if before is None:
+            continue  # a table new since: all its rows
+        if int(before) > steps[name]:
+            raise ValueError(f"export --since {since}: table {name!r} is at step {steps[name]} in this checkpoint, "
+                             f"before the {before} steps of the export it would follow; export in full")
+        out[name] = int(before)
+    return out
+
+
+def _table_entry(name: str, config: dict[str, Any], writer: _TableWriter, out: Path, hparams: dict[str, Any],
+                 extra: dict[str, Any], steps: dict[str, int], floors: dict[str, int]) -> dict[str, Any]:
+    """A table's entry of ``export.json``."""
+    writer.close()
+    init_ranges = extra.get("init_ranges") or {}  # tables at torchrec's default range are not listed
+    zero_unstored = set(extra.get("zero_unstored") or ())  # tables that admit ids selectively
+    num_embeddings = int(config.get("num_embeddings") or hparams.get("num_embeddings", 0))
+    bound = math.sqrt(1 / num_embeddings) if num_embeddings else None
+    return {
+        "dim": writer.dim,
+        "num_embeddings": num_embeddings,
+        "seed": int(config.get("seed", hparams.get("seed", 0))),
+        "init_range": [float(x) for x in init_ranges[name]] if name in init_ranges else
+                      (None if bound is None else [-bound, bound]),
+        "unstored": "zeros" if name in zero_unstored else "initial",
+        "steps": int(steps.get(name, 0)),
+        # Rows last looked up before it are gone: a reader deletes them (a delta's tombstones).
+        "floor": floors.get(name),
+        "rows": writer.rows,
+        "files": [{"path": str(Path(f["path"]).relative_to(out)), "rows": f["rows"],
+                   "sha256": file_sha256(f["path"])} for f in writer.files],
+    }
 
 
 def _plain(value: Any) -> Any:
@@ -234,9 +292,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ckpt_path", required=True, help="a .ckpt written by ctr-lightning fit")
     parser.add_argument("--out", required=True, help="a new, empty directory")
     parser.add_argument("--rows_per_file", type=int, default=1 << 20, help="rows per Parquet file")
+    parser.add_argument("--since", default=None,
+                        help="an earlier export of the same run: write a delta, only the rows changed since (tables "
+                             "need an Expiry, which records each row's last lookup step)")
     args = parser.parse_args(argv)
-    description = export_for_serving(args.ckpt_path, args.out, rows_per_file=args.rows_per_file)
+    description = export_for_serving(args.ckpt_path, args.out, rows_per_file=args.rows_per_file, since=args.since)
     rows = sum(t["rows"] for t in description["tables"].values())
-    print(f"exported {len(description['tables'])} tables ({rows:,} rows) and {description['dense']['tensors']} "
+    kind = f"a delta after {args.since}:" if args.since else "exported"
+    print(f"{kind} {len(description['tables'])} tables ({rows:,} rows) and {description['dense']['tensors']} "
           f"dense tensors to {args.out}")
 

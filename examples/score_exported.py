@@ -4,10 +4,12 @@ safetensors dense part, no trainer, no table snapshot.
     ctr-lightning export --ckpt_path runs/demo/version_0/checkpoints/last.ckpt --out serving/v1
     python examples/score_exported.py serving/v1 data/synthetic_criteo/.../val-100000.tsv --rows 8
 
-Only the rows a batch uses are read from the Parquet files (a filter on ``id``). A row the
-export lacks was never trained: its value is the model's initial one, recomputed here
-with ctr_lightning's initializer (a server may use zeros instead, at a small cost in
-quality for brand-new ids).
+The tables are read with :func:`ctr_lightning.serving.read_export`, which follows a delta
+export (``export --since``) back to its base and applies the chain. A row the export lacks
+was never trained (or expired): it reads zeros in a table that admits ids selectively
+(``"unstored": "zeros"``), else the model's initial row, recomputed here with
+ctr_lightning's initializer (a server may use zeros instead, at a small cost in quality
+for brand-new ids).
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ import math
 from pathlib import Path
 
 import numpy as np
-import pyarrow.compute as pc
-import pyarrow.dataset as ds
 import torch
 from safetensors.torch import load_file
 from torchrec.models.dlrm import DLRM
@@ -28,16 +28,17 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from ctr_lightning.embedding.initializer import initial_rows, range_bounds, table_key
+from ctr_lightning.serving import read_export
 
 
 class ExportedTables(torch.nn.Module):
     """torchrec's EmbeddingBagCollection interface (KJT in, KeyedTensor out) over the
-    exported Parquet tables, with sum pooling, as the DLRM was trained."""
+    exported tables, with sum pooling, as the DLRM was trained."""
 
     def __init__(self, export_dir: str | Path, feature_names: list[str]) -> None:
         super().__init__()
-        self.root = Path(export_dir)
-        self.tables = json.loads((self.root / "export.json").read_text())["tables"]
+        self.model = read_export(export_dir)
+        self.tables = self.model.description["tables"]
         self.configs = [EmbeddingBagConfig(name=f"t_{f}", embedding_dim=self.tables[f"t_{f}"]["dim"],
                                            num_embeddings=self.tables[f"t_{f}"]["num_embeddings"],
                                            feature_names=[f]) for f in feature_names]
@@ -46,24 +47,17 @@ class ExportedTables(torch.nn.Module):
         return self.configs
 
     def rows(self, table: str, ids: np.ndarray) -> np.ndarray:
-        """Weights of ``ids`` of ``table``: read from the export, or initial if absent."""
+        """Weights of ``ids`` of ``table``: from the export, else what a row stored nowhere reads."""
         info = self.tables[table]
+        out, found = self.model.tables[table].lookup(ids)
+        if info["unstored"] == "zeros" or found.all():
+            return out
         # Exports before init_range was written: torchrec's default range.
         low, high = info.get("init_range") or (-math.sqrt(1.0 / info["num_embeddings"]),
                                                math.sqrt(1.0 / info["num_embeddings"]))
-        out = initial_rows(info["seed"], np.full(len(ids), table_key(table)), ids, info["dim"],
-                           *range_bounds(np.full(len(ids), low), np.full(len(ids), high)))
-        files = [str(self.root / f["path"]) for f in info["files"]]
-        if files and len(ids):
-            found = ds.dataset(files, format="parquet").to_table(
-                columns=["id", "vector"], filter=pc.field("id").isin(np.unique(ids)))
-            stored = found.column("id").to_numpy()
-            vectors = np.asarray(found.column("vector").combine_chunks().flatten()).reshape(-1, info["dim"])
-            order = np.argsort(stored)
-            at = np.searchsorted(stored[order], ids)
-            hit = at < len(stored)
-            hit[hit] = stored[order][at[hit]] == ids[hit]
-            out[hit] = vectors[order][at[hit]]
+        rest = ~found
+        out[rest] = initial_rows(info["seed"], np.full(int(rest.sum()), table_key(table)), ids[rest], info["dim"],
+                                 *range_bounds(np.full(int(rest.sum()), low), np.full(int(rest.sum()), high)))
         return out
 
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -82,11 +76,12 @@ def load_model(export_dir: str | Path) -> DLRM:
     """The exported DLRM, ready to score: dense weights from safetensors, tables from Parquet."""
     root = Path(export_dir)
     hp = json.loads((root / "export.json").read_text())["hyper_parameters"]
-    model = DLRM(embedding_bag_collection=ExportedTables(root, list(hp["sparse_feature_names"])),
+    tables = ExportedTables(root, list(hp["sparse_feature_names"]))
+    model = DLRM(embedding_bag_collection=tables,
                  dense_in_features=hp["num_dense_features"],
                  dense_arch_layer_sizes=[*hp["dense_arch_layer_sizes"], hp["embedding_dim"]],
                  over_arch_layer_sizes=list(hp["over_arch_layer_sizes"]))
-    dense = {k.removeprefix("dlrm."): v for k, v in load_file(str(root / "dense.safetensors")).items()
+    dense = {k.removeprefix("dlrm."): v for k, v in load_file(str(tables.model.dense_path)).items()
              if k.startswith("dlrm.")}
     model.load_state_dict(dense, strict=True)
     return model.eval()

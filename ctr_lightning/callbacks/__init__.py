@@ -7,10 +7,11 @@ from ctr_lightning.callbacks.progressive_validation import ProgressiveValidation
 from ctr_lightning.callbacks.stream_progress_bar import StreamProgressBar
 from ctr_lightning.callbacks.run_summary import RunSummary
 from ctr_lightning.callbacks.score_writer import ScoreWriter
+from ctr_lightning.callbacks.serving_exports import ServingExport
 from ctr_lightning.callbacks.storage_monitor import StorageMonitor
 from ctr_lightning.callbacks.table_snapshots import TableSnapshots, table_snapshots_by_default
 from ctr_lightning.callbacks.examples_per_second import ExamplesPerSecond
 
-__all__ = ["AutoPlacement", "BadLineMonitor", "ExamplesPerSecond", "ProgressiveValidation", "RunSummary", "ScoreWriter", "StorageMonitor",
+__all__ = ["AutoPlacement", "BadLineMonitor", "ExamplesPerSecond", "ProgressiveValidation", "RunSummary", "ScoreWriter", "ServingExport", "StorageMonitor",
            "StreamProgressBar", "TableSnapshots", "WorkingSetPrefetch", "auto_placement_by_default",
            "table_snapshots_by_default"]

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ctr_lightning.fault_points import reached
+from ctr_lightning.file_digest import file_sha256  # noqa: F401 - snapshots check their files with it
 
 FORMAT = "ctr-lightning-rows-1"
 _HEAD = struct.Struct("<4sQQI")  # magic, rows, payload bytes, CRC-32 of the payload
@@ -118,14 +119,6 @@ class RowFileWriter:
             self.close()
         else:
             self.abort()
-
-
-def file_sha256(path: str | os.PathLike, block: int = 8 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(block):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def read_row_file(path: str | os.PathLike, width: int | None = None) -> Iterator[tuple[list[str], np.ndarray,
