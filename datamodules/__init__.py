@@ -3,6 +3,8 @@
 from ctr_lightning.datamodules.avazu import AvazuDataModule, AvazuFormat
 from ctr_lightning.datamodules.bad_lines import BadLineError, UnreadableFileError
 from ctr_lightning.datamodules.criteo import CriteoDataModule, CriteoFormat
+from ctr_lightning.datamodules.drifting_datamodule import DriftingLogDataModule
+from ctr_lightning.datamodules.drifting_log import DriftingLog
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
 from ctr_lightning.datamodules.parquet import ParquetDataModule, ParquetFormat
 from ctr_lightning.datamodules.synthetic_datamodule import SyntheticCriteoDataModule
@@ -19,6 +21,8 @@ __all__ = [
     "BadLineError",
     "CriteoDataModule",
     "CriteoFormat",
+    "DriftingLog",
+    "DriftingLogDataModule",
     "LogDataModule",
     "ParquetDataModule",
     "ParquetFormat",

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -158,3 +159,28 @@ def test_each_model_config_trains_and_its_checkpoint_predicts(tmp_path, in_proce
     untrained = torch.sigmoid(model_class(**{k: v for k, v in model.hparams.items() if not k.startswith("_")})(
         batches[0])).detach().numpy()
     assert np.abs(untrained - want[:128]).max() > 1e-3  # the check can tell a trained model from a fresh one
+
+
+def test_shipped_online_config_follows_a_drifting_log_and_exports_for_serving(tmp_path, in_process):
+    """configs/online.yaml, two shorter days: every hour trained in time order and scored
+    first, rows expired, and a full export then a delta that read back as the model's rows."""
+    from ctr_lightning.serving import read_export
+
+    in_process(["fit", "--config", "configs/online.yaml", "--data.days", "2", "--data.rows_per_hour", "256",
+                "--data.batch_size", "256", "--data.data_dir", str(tmp_path / "log"),
+                "--model.storage.ssd_dir", str(tmp_path / "ssd"), "--model.expiry.ttl", "6",
+                "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--trainer.enable_progress_bar", "false"])
+    (run,) = (tmp_path / "runs").glob("online/version_0")
+    events = EventAccumulator(str(run))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"online/auc", "storage/rows_expired", "storage/rows_rejected", "storage/live_rows/t_C1"} <= tags
+    assert len(events.Scalars("online/logloss")) == 48  # an hour a slice, each scored before it trained
+    assert events.Scalars("storage/rows_expired")[-1].value > 0
+    exports = run / "serving"
+    assert (exports / "LATEST").read_text().strip() == "step=000000048"
+    served = read_export(exports / "step=000000048")
+    assert [p.name for p in served.chain] == ["step=000000024", "step=000000048"]
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 48 and dict(ckpt["hyper_parameters"]["expiry"])["ttl"] == 6
+    assert sum(len(t) for t in served.tables.values()) > 1000
