@@ -1,12 +1,17 @@
 """The row lifecycle sharded over 2 gloo ranks: admission admits exactly what one process
 does, and expiry with admission keeps exactly the rows one process keeps, straight through
-and across a resume in the middle of the stream; k-step tables keep the same rows across a
-resume. One launch of the ranks runs every case; each test checks its own."""
+and across a resume in the middle of the stream, and writes the same delta exports for
+serving; k-step tables keep the same rows across a resume. One launch of the ranks runs every case; each test checks its own."""
 
+import json
 import sys
 
+import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
+
+from ctr_lightning.serving import read_export
 
 # Run by each rank and by the one-process reference: the same global batches, each rank its
 # slice; each case trained straight through, and cut in the middle and resumed in a new
@@ -52,16 +57,20 @@ def local_kjt(step, size):
 
 loss_weights = torch.randn(16, generator=torch.Generator().manual_seed(0))
 
-def run(make, label, steps, cut, size):
+def run(make, label, steps, cut, size, at_cut=None):
     # The case trained: straight through, or cut and resumed in a new collection. Returns it,
-    # the rows of every id seen and its extra state (both collective when sharded).
+    # the rows of every id seen and its extra state (both collective when sharded);
+    # at_cut(extra state) is called at the cut.
     ebc = make(label)
     for step in range(steps):
-        if label.endswith("resumed") and step == cut:
+        if step == cut and (label.endswith("resumed") or at_cut is not None):
             ebc.checkpoint_to_snapshots(None)
             state = ebc.state_dict()
-            ebc = make(label + "_again")
-            ebc.load_state_dict(state)
+            if at_cut is not None:
+                at_cut(state["_extra_state"])
+            if label.endswith("resumed"):
+                ebc = make(label + "_again")
+                ebc.load_state_dict(state)
         pooled = ebc(local_kjt(step, size)).values()
         (pooled @ loss_weights).mean().backward()
     seen = {t.name: sorted({int(i) for s in range(steps) for i in global_batch(s, size)[1][k]})
@@ -69,6 +78,13 @@ def run(make, label, steps, cut, size):
     rows = {name: ebc.rows(name, ids) for name, ids in seen.items()}
     ebc.checkpoint_to_snapshots(None)
     return ebc, rows, ebc.get_extra_state()
+
+def export(extra_state, name, since=None):
+    # What ctr-lightning export writes from a checkpoint of a module holding this collection.
+    from ctr_lightning.serving_export import export_for_serving
+    ckpt = os.path.join(out_dir, name + ".ckpt")
+    torch.save({"state_dict": {"tables._extra_state": extra_state}, "hyper_parameters": {}}, ckpt)
+    export_for_serving(ckpt, os.path.join(out_dir, name), since=since)
 
 def gathered(value):
     out = [None] * world
@@ -108,9 +124,13 @@ def expiring(label):
         storage=storage("expiry_" + label, device_rows=30, ssd_segment_bytes=4096))
 
 for label in ["row_wise", "row_wise+resumed", "table_wise", "table_wise+resumed"]:
-    ebc, rows, state = run(expiring, label, steps=14, cut=7, size=32)
+    # A full export for serving at the cut, and a delta after it at the end.
+    base = f"export_{label}_{world}_cut"
+    ebc, rows, state = run(expiring, label, steps=14, cut=7, size=32,
+                           at_cut=lambda cut_state: export(cut_state, base) if rank == 0 else None)
     counts = gathered(ebc.expiry_counts())
     if rank == 0:
+        export(state, f"export_{label}_{world}_end", since=os.path.join(out_dir, base))
         torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
                     "floors": state["expiry"], "counts": counts}, os.path.join(out_dir, f"expiry_{label}_{world}.pt"))
 print("RESULT {}", flush=True)
@@ -131,6 +151,21 @@ def runs(tmp_path_factory, run_ranks_in_fixture):
     finally:
         sys.argv = argv
     run_ranks_in_fixture(RANK_SCRIPT, ["2", str(out), "{port}"], world=2, ddp_env=False)
+    return out
+
+
+def delta_rows(export):
+    """Per table, the ids (ascending) and vectors a delta export's own files hold, and its floor."""
+    described = json.loads((export / "export.json").read_text())
+    assert "since" in described
+    out = {}
+    for name, table in described["tables"].items():
+        parts = [pq.read_table(export / f["path"]) for f in table["files"]]
+        ids = np.concatenate([p.column("id").to_numpy() for p in parts]) if parts else np.empty(0, dtype=np.int64)
+        vectors = (np.concatenate([np.stack(p.column("vector").to_numpy(zero_copy_only=False)) for p in parts])
+                   if parts else np.empty((0, table["dim"])))
+        order = np.argsort(ids)
+        out[name] = (ids[order], vectors[order], table["floor"])
     return out
 
 
@@ -184,6 +219,20 @@ def test_two_ranks_keep_the_rows_one_process_keeps(runs):
                 assert run["floors"] == one["floors"], (label, world)
                 for name, rows in one["rows"].items():
                     torch.testing.assert_close(run["rows"][name], rows, atol=1e-5, rtol=0)
+    # The delta exports after the cut: the same files' rows on 2 ranks, resumed or not, as in
+    # one uninterrupted process; base + delta read back as the rows kept.
+    for sharding in ("row_wise", "table_wise"):
+        want = delta_rows(runs / f"export_{sharding}_1_end")
+        one = load(runs, "expiry", sharding, 1)
+        assert all(len(ids) > 5 and floor > 0 for ids, _, floor in want.values())
+        for label in (sharding, sharding + "+resumed"):
+            for world in (1, 2):
+                got = delta_rows(runs / f"export_{label}_{world}_end")
+                for name, (ids, vectors, floor) in want.items():
+                    assert np.array_equal(got[name][0], ids) and got[name][2] == floor, (label, world, name)
+                    np.testing.assert_allclose(got[name][1], vectors, atol=1e-5, rtol=0)
+                served = read_export(runs / f"export_{label}_{world}_end")
+                assert {n: t.ids.tolist() for n, t in served.tables.items()} == one["stored"], (label, world)
     # Row-wise, each rank expired its own share; the counts add up to one process's.
     one = load(runs, "expiry", "row_wise", 1)
     two = load(runs, "expiry", "row_wise", 2)
