@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from ctr_lightning.callbacks import ScoreWriter, StreamProgressBar
 from ctr_lightning.datamodules import (
+    DriftingLogDataModule,
     AvazuDataModule,
     CriteoDataModule,
     ParquetDataModule,
@@ -272,8 +273,21 @@ def _class_name(class_path: str) -> str:
     return class_path.rsplit(".", 1)[-1]
 
 
+COMMANDS = (
+    ("fit", "train a model (and validate it as the config says)"),
+    ("validate", "one evaluation pass over the validation data"),
+    ("test", "one evaluation pass over the test data"),
+    ("predict", "score data with a checkpoint, to predictions/scores-rank<r>.tsv"),
+    ("export", "a checkpoint's model for serving, whole or as a delta after an earlier export (--since)"),
+    ("plan", "the placement fit would follow, on this machine or a recorded one"),
+    ("topology", "what this machine has: NUMA nodes, GPUs, NICs, drives"),
+)
+
+
 def _datamodule_help() -> str:
-    lines = ["Models (pick with --model CLASS or a config's model.class_path, default DLRMModule, then set "
+    lines = ["Commands (ctr-lightning COMMAND --help for each):"]
+    lines += [f"  {name:<10}{what}" for name, what in COMMANDS]
+    lines += ["Models (pick with --model CLASS or a config's model.class_path, default DLRMModule, then set "
              "--model.ARG VALUE; --model.help CLASS shows types and defaults):"]
     for model in MODELS:
         lines.append(f"  {model.__name__}: " + ", ".join(f"--model.{a}" for a in _init_arguments(model)
@@ -282,11 +296,12 @@ def _datamodule_help() -> str:
     lines += ["DataModules (pick with --data CLASS or a config's data.class_path, then set --data.ARG VALUE;"
               " --data.help CLASS shows types and defaults):"]
     for cls in (CriteoDataModule, SyntheticCriteoDataModule, AvazuDataModule, ParquetDataModule,
-                SyntheticStreamDataModule):
+                SyntheticStreamDataModule, DriftingLogDataModule):
         lines.append(f"  {cls.__name__}: " + ", ".join(f"--data.{a}" for a in _init_arguments(cls)))
     lines.append("Also: ctr-lightning predict --config X --ckpt_path PATH --data.predict_paths [...] streams scores "
                  "to predictions/scores-rank<r>.tsv (ScoreWriter); ctr-lightning export --ckpt_path PATH --out DIR "
-                 "writes a checkpoint's model for serving (Parquet tables, safetensors dense part).")
+                 "[--since EARLIER_EXPORT] writes a checkpoint's model for serving (Parquet tables, safetensors dense "
+                 "part), read back with ctr_lightning.serving.read_export.")
     return "\n".join(lines)
 
 

@@ -13,8 +13,19 @@ def test_help_lists_the_overrides(in_process, capsys):
     for name in ("DLRMModule:", "DCNv2Module: --model.cross_layers", "DeepFMModule: --model.deep_layer_sizes",
                  "WideDeepModule: --model.deep_layer_sizes",
                  "CriteoDataModule:", "AvazuDataModule:", "ParquetDataModule: --data.label_column",
-                 "SyntheticCriteoDataModule:", "SyntheticStreamDataModule:", "ctr-lightning predict"):
+                 "SyntheticCriteoDataModule:", "SyntheticStreamDataModule:", "DriftingLogDataModule: --data.data_dir, --data.days",
+                 "ctr-lightning predict"):
         assert name in out, name
+
+
+def test_top_level_help_lists_every_command_with_a_line(in_process, capsys):
+    with pytest.raises(SystemExit) as exit:
+        in_process(["--help"])
+    assert exit.value.code == 0
+    out = capsys.readouterr().out
+    listed = out[out.index("Commands"):].splitlines()[1:8]
+    assert [line.split()[0] for line in listed] == ["fit", "validate", "test", "predict", "export", "plan", "topology"]
+    assert all(len(line.split()) > 3 for line in listed)  # each with what it does
 
 
 @pytest.mark.parametrize("command", ["fit", "validate", "predict"])
