@@ -10,7 +10,7 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from ctr_lightning.embedding.lifecycle.admission_gate import AdmissionGate
-from ctr_lightning.embedding.lifecycle.row_expiry import RowExpiry, read_last_seen, stamp_words
+from ctr_lightning.embedding.lifecycle.row_expiry import STAMP_WORDS, RowExpiry, read_last_seen, stamp_words
 from ctr_lightning.embedding.kernels.pooling import BagLayout, CpuBackward, pool_cpu, pool_torch, update_cpu, update_torch
 from ctr_lightning.embedding.prefetch.working_set import WorkingSet
 from ctr_lightning.embedding.table_setup import TableSetup
@@ -126,8 +126,9 @@ class TableGroup:
         if not len(pos):
             return
         tier = self.tiers.device_tier
-        rows = tier.values[torch.from_numpy(slots[pos]).to(tier.device)]
-        gone = pos[~self.expiry.live(tables[pos], rows)]
+        column = self.expiry.column  # the stamps alone, not whole rows, are read on this path
+        stamps = tier.values[torch.from_numpy(slots[pos]).to(tier.device), column : column + STAMP_WORDS]
+        gone = pos[read_last_seen(stamps, 0) < self.expiry.floor[tables[pos]]]
         if not len(gone):
             return
         taken = np.ones(len(gone), dtype=bool)
@@ -147,10 +148,10 @@ class TableGroup:
         at = slots[mine]
         index = torch.from_numpy(at).to(tier.device)
         column = self.expiry.column
-        before = read_last_seen(tier.values[index, column : column + 2], 0)
+        before = read_last_seen(tier.values[index, column : column + STAMP_WORDS], 0)
         steps = self.steps[tables[mine]]
         self.expiry.looked_up(tables[mine], before, self.steps)
-        tier.values[index, column : column + 2] = torch.from_numpy(stamp_words(steps)).to(tier.device)
+        tier.values[index, column : column + STAMP_WORDS] = torch.from_numpy(stamp_words(steps)).to(tier.device)
         # A stamp is a change: the row goes back to SSD with it, and into the next snapshot.
         tier.dirty[at] = True
         tier.changed[at] = True
@@ -184,16 +185,15 @@ class TableGroup:
         return first, inverse
 
     def _update(self, slots: np.ndarray, tables: np.ndarray, grad: torch.Tensor | CpuBackward) -> None:
-        if self.skip_nonfinite and not _finite(grad):
-            if self.expiry is not None:
-                self.expiry.advance(self.steps)  # the lookup's stamps count, at the same step
-                self.tiers.expire_below(self.expiry.floor)
-            return  # the rows, their optimizer state and the step counts stay as they were
-        # Every table in the batch counts a step, as torch.optim.SparseAdam counts per parameter.
-        self.steps += 1
-        if self.expiry is not None:
+        finite = not self.skip_nonfinite or _finite(grad)
+        if finite:
+            # Every table in the batch counts a step, as torch.optim.SparseAdam counts per parameter.
+            self.steps += 1
+        if self.expiry is not None:  # a skipped step's stamps count too, at the same step count
             self.expiry.advance(self.steps)
             self.tiers.expire_below(self.expiry.floor)
+        if not finite:
+            return  # the rows, their optimizer state and the step counts stay as they were
         storage = self.tiers.device_tier.values  # now: the tier may have grown since forward
         if isinstance(grad, CpuBackward):
             update_cpu(storage, self.dim, self.mode == "mean", self.optimizer, self.steps, tables, grad)

@@ -27,8 +27,9 @@ class LogCleaner:
     most ``budget`` records, and a cleaning left half done goes on at the next call, so no
     write waits on a whole segment. Callers hold the log's lock.
 
-    Where rows expire (``floors``, and each row's last lookup step at ``stamp_column``), this is where their records are deleted: a cleaning drops
-    the records of rows gone instead of moving them, and each call first retires one sealed
+    Where rows expire (``floors``, and each row's last lookup step at ``stamp_column``), this
+    is where their records are deleted: a cleaning drops the records of rows gone instead of
+    moving them, and each call first retires one sealed
     segment whose every record is of a row gone (from its keys file alone; the records are
     not read). Rows dropped are reported with location -1: a copy in memory has no SSD
     record any more.
