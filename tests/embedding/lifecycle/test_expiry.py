@@ -127,9 +127,12 @@ def test_the_ssd_files_of_rows_gone_are_deleted_and_the_tables_stop_growing(tmp_
             counters = ebc.tier_stats()
             live, _ = lives(steps, ttl=2)
             assert ebc.expiry_counts()["t0"]["rows"] == len(live[0])
-    grown = {name: s[-1]["ssd_bytes"] / s[11]["ssd_bytes"] for name, s in sizes.items()}
-    assert grown["kept"] > 3.0  # 4x the steps, 4x the rows
-    assert grown["ttl"] < 1.3 and grown["resumed"] < 1.3
+    # The files are a few 4 KiB segments, and which step a segment is sealed or retired at
+    # follows the writer thread's timing: compare the largest size of each half of the run.
+    grown = {name: max(x["ssd_bytes"] for x in s[24:]) / max(x["ssd_bytes"] for x in s[:24])
+             for name, s in sizes.items()}
+    assert sizes["kept"][-1]["ssd_bytes"] > 3.0 * sizes["kept"][11]["ssd_bytes"]  # 4x the steps, 4x the rows
+    assert grown["ttl"] < 1.5 and grown["resumed"] < 1.5  # within a segment of the first half
     assert sizes["ttl"][-1]["ssd_rows"] < 0.3 * sizes["kept"][-1]["ssd_rows"]
     assert counters["ssd_records_dropped"] > 1000 and counters["rows_expired"] > 1000
 

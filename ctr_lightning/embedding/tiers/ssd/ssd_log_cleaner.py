@@ -29,9 +29,9 @@ class LogCleaner:
 
     Where rows expire (``floors``, and each row's last lookup step at ``stamp_column``), this
     is where their records are deleted: a cleaning drops the records of rows gone instead of
-    moving them, and each call first retires one sealed
-    segment whose every record is of a row gone (from its keys file alone; the records are
-    not read). Rows dropped are reported with location -1: a copy in memory has no SSD
+    moving them, and each call first retires sealed segments whose
+    every record is of a row gone, up to ``budget`` records of them (from their keys files
+    alone; the records are not read). Rows dropped are reported with location -1: a copy in memory has no SSD
     record any more.
 
     Example::
@@ -62,7 +62,7 @@ class LogCleaner:
         """Move up to ``budget`` live records out of the emptiest segments while garbage is over."""
         files = self.files
         floors = self.floors()
-        moved: list[Relocated] = [self._retire_gone_segment(floors)] if floors is not None else []
+        moved: list[Relocated] = [self._retire_gone_segments(floors, budget)] if floors is not None else []
         while budget > 0 and (self.cleaning is not None or self.garbage_over()):
             if self.cleaning is None:
                 victim = min(files.sealed(), key=lambda s: (s.live / max(s.written, 1), s.number))
@@ -99,18 +99,24 @@ class LogCleaner:
         self.records_dropped += len(ids)
         return Relocated(tables, ids, np.full(len(ids), -1, dtype=np.int64))
 
-    def _retire_gone_segment(self, floors: np.ndarray) -> Relocated:
-        """Retire one sealed segment that holds only rows gone (by its newest record of each
-        table), if there is one; its live records are dropped."""
+    def _retire_gone_segments(self, floors: np.ndarray, budget: int) -> Relocated:
+        """Retire sealed segments that hold only rows gone (by their newest record of each
+        table), their records up to ``budget`` in all and at least one segment; their live
+        records are dropped. At twice a write's records a call, retiring outpaces sealing,
+        so segments of rows gone cannot pile up however the floors and the writes interleave."""
         busy = self.cleaning[0] if self.cleaning is not None else -1
+        dropped: list[Relocated] = []
         for segment in self.files.sealed():
+            if budget <= 0:
+                break
             if segment.newest is None or segment.number == busy or not (segment.newest < floors).all():
                 continue
             keys = self.files.sealed_keys(segment, durable=False)
             tables, ids = keys["table"].astype(np.int64), keys["id"].astype(np.int64)
             locations = segment.number * self.files.segment_records + np.arange(len(keys), dtype=np.int64)
             live = self.index.is_current(tables, ids, locations)
-            dropped = self._drop(tables[live], ids[live], locations[live]) if live.any() else Relocated()
+            if live.any():
+                dropped.append(self._drop(tables[live], ids[live], locations[live]))
             self.files.retire(segment)
-            return dropped
-        return Relocated()
+            budget -= max(len(keys), 1)
+        return Relocated.latest(dropped)
