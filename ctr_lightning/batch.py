@@ -21,6 +21,9 @@ class Batch(Pipelineable):
             is computed per group.
         records: ``[B]`` int64 place of each example among its split's records, for predict
             output (set when reading ``predict_paths``).
+        event_time: ``[B]`` int64 POSIX seconds of each example, when the DataModule reads
+            them (an ``event_time_column``, or ``partition_time=True``): what an
+            ``Expiry(ttl="7d")`` counts in.
 
     Example::
 
@@ -35,6 +38,7 @@ class Batch(Pipelineable):
     labels: torch.Tensor
     groups: torch.Tensor | None = None
     records: torch.Tensor | None = None
+    event_time: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -47,6 +51,7 @@ class Batch(Pipelineable):
             labels=self.labels.to(device, non_blocking=non_blocking),
             groups=None if self.groups is None else self.groups.to(device, non_blocking=non_blocking),
             records=self.records,  # row numbers stay on the host, where predictions are written
+            event_time=self.event_time,  # read on the host, by the tables' expiry
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
@@ -63,4 +68,5 @@ class Batch(Pipelineable):
             labels=self.labels.pin_memory(),
             groups=None if self.groups is None else self.groups.pin_memory(),
             records=self.records,
+            event_time=self.event_time,
         )

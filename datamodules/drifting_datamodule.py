@@ -42,7 +42,7 @@ class DriftingLogDataModule(CriteoDataModule):
                                       f"-drift{drift_share:g}-cohort{cohort_size}")
         self.days, self.hours_per_day = days, hours_per_day
         super().__init__(train_paths=str(self.root), batch_size=batch_size, num_workers=num_workers, follow=True,
-                         poll_seconds=poll_seconds, idle_timeout=idle_timeout)
+                         poll_seconds=poll_seconds, idle_timeout=idle_timeout, partition_time=True)
         self.save_hyperparameters()
 
     def prepare_data(self) -> None:

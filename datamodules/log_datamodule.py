@@ -56,6 +56,10 @@ class LogDataModule(pl.LightningDataModule):
             optional (a fixed set); pair it with the ``ProgressiveValidation`` callback.
         poll_seconds, idle_timeout, stop_file, ready: of ``follow`` (``ready``: ``"auto"``,
             ``"marker"`` or ``"stable"``).
+        partition_time: each training record's event time (``Batch.event_time``, what an
+            ``Expiry(ttl="7d")`` counts in) is its file's Hive partition time: a date
+            (``dt=``, ``date=``, ``day=`` or ``ds=``) and an optional ``hour=``. A training
+            file without a date partition is refused by name.
         max_bad_fraction: a file whose share of bad lines is larger (beyond a stray few)
             stops the run, naming the file and its first bad lines; None: no limit.
         shuffle_shards: deal the pieces of the data to the ranks in another order every
@@ -93,6 +97,7 @@ class LogDataModule(pl.LightningDataModule):
         idle_timeout: float | None = None,
         stop_file: str | None = None,
         ready: Readiness = "auto",
+        partition_time: bool = False,
     ) -> None:
         super().__init__()
         if follow and (online or not train_paths):
@@ -128,6 +133,7 @@ class LogDataModule(pl.LightningDataModule):
         self.followed: FollowedLog | None = FollowedLog(train_paths, ready) if follow else None
         self._follow_wait = (poll_seconds, idle_timeout, stop_file)
         self.max_bad_fraction = max_bad_fraction
+        self.partition_time = partition_time
         self.shuffle_shards, self.shuffle_seed = shuffle_shards, shuffle_seed
         self.index_dir = index_dir if index_dir is not None else default_index_dir()
         self.files: dict[str, list[str]] = {}
@@ -228,6 +234,7 @@ class LogDataModule(pl.LightningDataModule):
             skip_batches=skip, epoch=self._current_epoch(), max_bad_fraction=self.max_bad_fraction,
             files=[self._indexes[f] for f in files], bad_files=self.bad_files,
             seed=self.shuffle_seed, rotate=self.shuffle_shards and split == "train", numbered=split == "predict",
+            partition_time=self.partition_time and split == "train",
         )
         # Every split takes equal steps on all ranks: a sharded embedding collection runs
         # collectives in evaluation too, so a rank that stopped early would hang the rest.

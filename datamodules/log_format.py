@@ -47,6 +47,7 @@ class DecodedRows:
     jagged: tuple[JaggedIds, ...] = ()  # multi-hot features, after the one-hot ones
     groups: np.ndarray | None = None  # [n] int64: the grouping column (user, query) for GAUC
     records: np.ndarray | None = None  # [n] int64: each row's place in its split's records (predict)
+    event_time: np.ndarray | None = None  # [n] int64 POSIX seconds (Batch.event_time)
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -54,12 +55,13 @@ class DecodedRows:
     def slice(self, start: int, stop: int) -> DecodedRows:
         return DecodedRows(self.labels[start:stop], self.dense[start:stop], self.ids[start:stop], [],
                            tuple(j.slice(start, stop) for j in self.jagged),
-                           _part(self.groups, slice(start, stop)), _part(self.records, slice(start, stop)))
+                           _part(self.groups, slice(start, stop)), _part(self.records, slice(start, stop)),
+                           _part(self.event_time, slice(start, stop)))
 
     def select(self, keep: np.ndarray) -> DecodedRows:
         return DecodedRows(self.labels[keep], self.dense[keep], self.ids[keep], [],
                            tuple(j.select(keep) for j in self.jagged), _part(self.groups, keep),
-                           _part(self.records, keep))
+                           _part(self.records, keep), _part(self.event_time, keep))
 
     @staticmethod
     def concat(parts: list[DecodedRows]) -> DecodedRows:
@@ -71,6 +73,7 @@ class DecodedRows:
             tuple(JaggedIds.concat([p.jagged[k] for p in parts]) for k in range(len(parts[0].jagged))),
             None if parts[0].groups is None else np.concatenate([p.groups for p in parts]),
             None if parts[0].records is None else np.concatenate([p.records for p in parts]),
+            None if parts[0].event_time is None else np.concatenate([p.event_time for p in parts]),
         )
 
 

@@ -34,6 +34,16 @@ def _categorical_ids(column: pa.Array, salt: np.uint64, where: str) -> np.ndarra
     raise TypeError(f"{where}: categorical values must be integers or strings, got {column.type}")
 
 
+def _event_seconds(column: pa.Array, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """POSIX seconds of an integer or timestamp column, and which rows have none."""
+    if pa.types.is_timestamp(column.type):
+        column = column.cast(pa.timestamp("s"), safe=False).cast(pa.int64())
+    elif not pa.types.is_integer(column.type):
+        raise TypeError(f"{where} must hold integer POSIX seconds or timestamps, got {column.type}")
+    missing = column.is_null().to_numpy(zero_copy_only=False)
+    return pc.fill_null(column.cast(pa.int64()), 0).to_numpy(zero_copy_only=False).astype(np.int64), missing
+
+
 class ParquetFormat:
     """Reads row ranges of Parquet files (slices of row groups) into model arrays.
 
@@ -43,7 +53,8 @@ class ParquetFormat:
     list is an empty bag). Bad rows (a null label, or one that is not 0/1) are named by
     their row number in the file; a file without the label column reads as unlabeled (NaN
     labels), which only ``predict_paths`` accept. A ``group_column`` (a user or query id, integers or
-    strings) is read for GAUC, not as a feature.
+    strings) is read for GAUC, not as a feature; an ``event_time_column`` (integer POSIX
+    seconds or a timestamp) gives each row its event time.
 
     Example::
 
@@ -63,6 +74,7 @@ class ParquetFormat:
         categorical_columns: Sequence[str] = (),
         multi_hot_columns: Sequence[str] = (),
         group_column: str | None = None,
+        event_time_column: str | None = None,
     ) -> None:
         if not categorical_columns and not multi_hot_columns:
             raise ValueError("ParquetFormat needs at least one categorical or multi-hot column")
@@ -76,6 +88,9 @@ class ParquetFormat:
         self.columns = [label_column, *self.dense_columns, *self.sparse_feature_names]
         if group_column is not None and group_column not in self.columns:
             self.columns.append(group_column)
+        self.event_time_column = event_time_column
+        if event_time_column is not None and event_time_column not in self.columns:
+            self.columns.append(event_time_column)
         self._salts = [fd.feature_salt(f) for f in range(len(self.sparse_feature_names))]
         self._path = ""
         self.unlabeled_reason: str | None = None  # why the file being read has no labels
@@ -139,8 +154,14 @@ class ParquetFormat:
         if self.group_column is not None:
             groups = _categorical_ids(batch.column(self.group_column), np.uint64(0),
                                       f"{self._path}: group column {self.group_column!r}")
+        event_time = None
+        if self.event_time_column is not None:
+            event_time, missing = _event_seconds(batch.column(self.event_time_column),
+                                                 f"{self._path}: event time column {self.event_time_column!r}")
+            if missing.any():
+                problems.append((missing, f"{self.event_time_column} (the event time) is missing"))
         return DecodedRows(labels=values.astype(np.float32), dense=dense, ids=ids, problems=problems,
-                           jagged=tuple(jagged), groups=groups)
+                           jagged=tuple(jagged), groups=groups, event_time=event_time)
 
 
 class ParquetDataModule(LogDataModule):
@@ -153,6 +174,9 @@ class ParquetDataModule(LogDataModule):
         multi_hot_columns: lists per row, hashed to ids in jagged bags.
         group_column: a user or query id per row: validation and test then report GAUC
             (``val/gauc``), the impression-weighted mean of the groups' AUCs.
+        event_time_column: each row's event time, integer POSIX seconds or a timestamp,
+            read into ``Batch.event_time`` (what ``Expiry(ttl="7d")`` counts in); a row
+            without one is a bad row.
         Other arguments as :class:`LogDataModule`; row groups, not byte ranges, are what
         (rank, worker) shards divide.
 
@@ -170,8 +194,9 @@ class ParquetDataModule(LogDataModule):
         categorical_columns: list[str] | None = None,
         multi_hot_columns: list[str] | None = None,
         group_column: str | None = None,
+        event_time_column: str | None = None,
         **kwargs: Any,
     ) -> None:
         log_format = ParquetFormat(label_column, dense_columns or [], categorical_columns or [], multi_hot_columns or [],
-                                   group_column)
+                                   group_column, event_time_column)
         super().__init__(log_format, **kwargs)

@@ -18,7 +18,7 @@ from ctr_lightning.datamodules.format_hints import format_hint
 from ctr_lightning.datamodules.log_format import DecodedRows, LogFormat
 from ctr_lightning.datamodules.row_index import FileIndex, index_files
 from ctr_lightning.datamodules.shard_plan import plan_shard, rank_intervals
-from ctr_lightning.datamodules.sources import FileSlice, iter_lines
+from ctr_lightning.datamodules.sources import FileSlice, iter_lines, slice_event_time
 from ctr_lightning.datamodules.wire import RawBatch
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,8 @@ class LogStreamDataset(IterableDataset):
         numbered: every batch carries each example's place among the files' records
             (``Batch.records``, 0-based, file after file, header lines not counted), as
             predictions need to be joined back to their input.
+        partition_time: every batch carries each example's event time from its file's
+            Hive date partition (``Batch.event_time``); a file without one is refused.
 
     Example::
 
@@ -76,6 +78,7 @@ class LogStreamDataset(IterableDataset):
         rotate: bool = False,
         numbered: bool = False,
         bad_files: BadFilePolicy = "fail",
+        partition_time: bool = False,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -98,6 +101,10 @@ class LogStreamDataset(IterableDataset):
         self.drop_last = drop_last
         self.epoch, self.seed, self.rotate = epoch, seed, rotate
         self.numbered = numbered
+        self.partition_time = partition_time
+        if partition_time:
+            for path in self.paths:
+                _partition_seconds(path)  # a file without a date partition is refused before any reading
         if numbered and len({f.path for f in self.files}) < len(self.files):
             twice = sorted({f.path for f in self.files if sum(g.path == f.path for g in self.files) > 1})
             raise ValueError(f"predict_paths name {twice} more than once: their rows could not be told apart")
@@ -194,6 +201,7 @@ class LogStreamDataset(IterableDataset):
 
         seen_invalid = 0
         readable = True
+        when = _partition_seconds(fslice.path) if self.partition_time else None
         wrong_width_at: np.ndarray | None = None  # where in the slice the wrong-width lines are, once needed
         try:
             for record_batch in self.format.read(fslice, on_invalid_row):
@@ -223,6 +231,8 @@ class LogStreamDataset(IterableDataset):
                         rows = rows.select(keep)
                 accepted_before += record_batch.num_rows
                 self._check_bad_share(fslice, len(skipped), accepted_before + len(invalid), skipped)
+                if when is not None:
+                    rows.event_time = np.full(len(rows.labels), when, dtype=np.int64)
                 if len(rows.labels):
                     yield rows
             # Lines rejected after the last block (one of nothing but wrong-width lines
@@ -345,3 +355,12 @@ def _take(pending: list[DecodedRows], n: int) -> tuple[DecodedRows, list[Decoded
             pending[0] = head.slice(need, size)
             need = 0
     return (taken[0] if len(taken) == 1 else DecodedRows.concat(taken)), pending
+
+
+def _partition_seconds(path: str) -> int:
+    """A file's event time from its Hive date (and hour) partitions (``partition_time``)."""
+    when = slice_event_time([path])
+    if when is None:
+        raise ValueError(f"{path}: partition_time=True takes each record's event time from its date partition "
+                         f"(dt=, date=, day= or ds=, with an optional hour=), but this path has none")
+    return int(when)

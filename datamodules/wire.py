@@ -22,7 +22,8 @@ class RawBatch(NamedTuple):
     laid out as ids int64 [one-hot features * n, then every multi-hot feature's values]
     (feature-major, as a KJT keeps them) | multi-hot lengths int32 [multi-hot * n] |
     dense float32 [n, d] | labels float32 [n], padded to 8 bytes | the optional int64
-    columns [n] each: groups (GAUC's grouping column), then records (predict's row numbers).
+    columns [n] each: groups (GAUC's grouping column), records (predict's row numbers),
+    then event_time (POSIX seconds).
     """
 
     buffer: torch.Tensor
@@ -33,7 +34,7 @@ class RawBatch(NamedTuple):
     jagged_values: tuple[int, ...] = ()  # per batch: ids of all multi-hot features together
     num_jagged: int = 0
     bad_lines: tuple[tuple[str, int], ...] = ()  # lines skipped since the shard's last message
-    columns: tuple[str, ...] = ()  # the optional int64 columns present: "groups", "records"
+    columns: tuple[str, ...] = ()  # the optional int64 columns present: "groups", "records", "event_time"
     # Files cut short since the shard's last message (bad_files="skip"), each with its first record not read.
     unreadable: tuple[tuple[str, int], ...] = ()
 
@@ -84,7 +85,7 @@ class RawBatch(NamedTuple):
             start += region.size
 
 
-OPTIONAL_COLUMNS = ("groups", "records")
+OPTIONAL_COLUMNS = ("groups", "records", "event_time")
 
 
 class _Ones:

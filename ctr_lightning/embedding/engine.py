@@ -108,6 +108,19 @@ class TableEngine(ABC):
             raise ValueError(f"the checkpoint holds expiry floors for tables {sorted(floors)}, which expire no rows "
                              f"here (expiry off?)")
 
+    def expiry_clock(self) -> dict[str, Any]:
+        """Data time, where a table's ttl counts in it (see :meth:`RowExpiry.clock_state`).
+        Collective when distributed."""
+        return {}
+
+    def load_expiry_clock(self, state: Mapping[str, Any]) -> None:
+        """Take the data time of :meth:`expiry_clock`."""
+
+    def observe_event_time(self, seconds: float) -> None:
+        """The newest event time of the training batch about to run (this rank's; the
+        newest over all ranks counts). Collective when distributed and a table's ttl counts
+        in data time."""
+
     def from_rank0(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (a name they must agree on). Collective when
         distributed."""

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from ctr_lightning.checkpoint_safe import checkpoint_safe
+
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as ``"7d"``, ``"12h"``, ``"30m"`` or ``"90s"``."""
+    match = _DURATION.match(text)
+    if match is None or float(match.group(1)) <= 0:
+        raise ValueError(f"Expiry.ttl {text!r} is neither a whole number of training steps nor a duration "
+                         f"of data time such as '7d', '12h', '30m' or '90s'")
+    return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
 @checkpoint_safe
@@ -22,7 +35,9 @@ class Expiry:
     a run sharded row-wise over ranks keep exactly the rows one uninterrupted process keeps.
     The rows' last lookup step travels with the row (8 bytes a row, in memory and in its
     SSD record); the SSD files of expired rows are deleted by the SSD log's cleaning, in
-    its thread, never on the step's path.
+    its thread, never on the step's path. Under ``sparse_sync="k_step"`` the rows' last
+    lookups and the floors move at merges, so a resumed run keeps the rows an uninterrupted
+    one keeps (a ttl in data time needs ``sparse_sync="step"``).
 
     ``Expiry()`` with neither setting expires nothing, but its rows record their last
     lookup step all the same: what delta exports for serving need (``ctr-lightning export
@@ -32,6 +47,12 @@ class Expiry:
     Args:
         ttl: a row not looked up in ``ttl`` training steps expires: a row last looked up
             at step ``s`` is still there at step ``s + ttl`` and gone at step ``s + ttl + 1``.
+            A duration (``"7d"``, ``"12h"``, ``"30m"``, ``"90s"``) counts in data time
+            instead: a row goes once the newest event time trained is more than ``ttl``
+            past the newest event time seen up to the row's last lookup. The training
+            batches must then carry event times (``Batch.event_time``: a DataModule's
+            ``event_time_column``, or ``partition_time=True`` for ``dt=``/``hour=``
+            partitions; in your own loop, :meth:`TieredEmbeddingBagCollection.observe_event_time`).
         max_rows: at most this many rows stored; above it the least recently looked-up
             rows go (LRU), all rows of one step together, so the table may hold a batch's
             worth fewer. Must exceed the rows one batch touches.
@@ -39,16 +60,30 @@ class Expiry:
     Example::
 
         TieredEmbeddingBagCollection(tables, expiry=Expiry(ttl=50_000))
+        TieredEmbeddingBagCollection(tables, expiry=Expiry(ttl="7d"))   # in data time
         TieredEmbeddingBagCollection(tables, expiry={"user": Expiry(max_rows=10**8), "ad": Expiry()})
     """
 
-    ttl: int | None = None
+    ttl: int | str | None = None
     max_rows: int | None = None
 
     def __post_init__(self) -> None:
-        if self.ttl is not None and (isinstance(self.ttl, bool) or not isinstance(self.ttl, int) or self.ttl < 1):
-            raise ValueError(f"Expiry.ttl must be a whole number of training steps >= 1, got {self.ttl!r}")
+        if isinstance(self.ttl, str):
+            parse_duration(self.ttl)
+        elif self.ttl is not None and (isinstance(self.ttl, bool) or not isinstance(self.ttl, int) or self.ttl < 1):
+            raise ValueError(f"Expiry.ttl must be a whole number of training steps >= 1 or a duration such as "
+                             f"'7d', got {self.ttl!r}")
         if self.max_rows is not None and (isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int)
                                           or self.max_rows < 1):
             raise ValueError(f"Expiry.max_rows must be a whole number >= 1, got {self.max_rows!r}")
 
+
+    @property
+    def ttl_steps(self) -> int | None:
+        """The ttl in training steps (None: none, or one in data time)."""
+        return self.ttl if isinstance(self.ttl, int) else None
+
+    @property
+    def ttl_seconds(self) -> float | None:
+        """The ttl in seconds of data time (None: none, or one in training steps)."""
+        return parse_duration(self.ttl) if isinstance(self.ttl, str) else None

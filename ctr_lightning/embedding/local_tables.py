@@ -168,6 +168,26 @@ class LocalTables(TableEngine):
             if group.expiry is not None:
                 group.expiry.load(floors)
 
+    def expiry_clock(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for group in self.groups:
+            if group.expiry is not None:
+                state = group.expiry.clock_state()
+                newest = state.pop("newest", None)
+                if newest is not None:
+                    out["newest"] = max(newest, out.get("newest", newest))
+                out.update(state)
+        return out
+
+    def load_expiry_clock(self, state: Mapping[str, Any]) -> None:
+        for group in self.groups:
+            if group.expiry is not None and group.expiry.timed.any():
+                group.expiry.load_clock(dict(state))
+
+    def observe_event_time(self, seconds: float) -> None:
+        for group in self.groups:
+            group.observe_event_time(seconds)
+
     def sightings(self) -> dict[str, np.ndarray]:
         return {name: counts for group in self.groups if group.admission is not None
                 for name, counts in group.admission.state().items()}

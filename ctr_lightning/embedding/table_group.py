@@ -61,6 +61,12 @@ class TableGroup:
         self.expiry: RowExpiry | None = expiry if expiry.active else None
         if self.expiry is not None:
             self.tiers.live = self.expiry.live
+        self.event_time: float | None = None  # the newest of the coming training batch, for a ttl in data time
+
+    def observe_event_time(self, seconds: float) -> None:
+        """The newest event time of the training batch about to run (over all ranks)."""
+        if self.expiry is not None and self.expiry.timed.any():
+            self.event_time = float(seconds) if self.event_time is None else max(self.event_time, float(seconds))
 
     def counters(self) -> dict[str, int]:
         """Cumulative counters of the tiers, the read-ahead and admission."""
@@ -89,7 +95,7 @@ class TableGroup:
         miss = slots < 0
         self.tiers.count_device_hits(int((~miss).sum()))
         if self.expiry is not None:
-            self._recount_if_loaded()
+            self.recount_if_loaded()
             self._restart_gone(slots, ~miss, u_tables, u_ids, inverse, train)
         if miss.any():
             slots[miss] = self.tiers.fetch(u_tables[miss], u_ids[miss], pinned=slots[(~miss) & (slots >= 0)],
@@ -158,11 +164,11 @@ class TableGroup:
 
     def expiry_counts(self) -> dict[str, dict[str, int]]:
         """Per table whose rows go: rows live now, rows expired and evicted so far."""
-        self._recount_if_loaded()
+        self.recount_if_loaded()
         live = self.expiry.live_rows()
         return {name: {"rows": live[name], **counts} for name, counts in self.expiry.per_table.items()}
 
-    def _recount_if_loaded(self) -> None:
+    def recount_if_loaded(self) -> None:
         if self.expiry.needs_recount:
             self.expiry.recount(lambda: self.tiers.export_chunks())
 
@@ -190,7 +196,8 @@ class TableGroup:
             # Every table in the batch counts a step, as torch.optim.SparseAdam counts per parameter.
             self.steps += 1
         if self.expiry is not None:  # a skipped step's stamps count too, at the same step count
-            self.expiry.advance(self.steps)
+            event_time, self.event_time = self.event_time, None
+            self.expiry.advance(self.steps, event_time)
             self.tiers.expire_below(self.expiry.floor)
         if not finite:
             return  # the rows, their optimizer state and the step counts stay as they were
@@ -269,6 +276,38 @@ class TableGroup:
             steps = np.full(len(self.names), clock, dtype=np.int64)
             keep[unstored] = self.admission.admit(tables[unstored], ids[unstored], sightings[unstored], steps)
         return keep
+
+    def put_merged(self, tables: np.ndarray, ids: np.ndarray, values: torch.Tensor) -> None:
+        """Under k-step tables, at a merge: :meth:`put_rows` of merged rows whose stamps (where
+        their table expires rows) are the newest lookup on any rank; the expiry's counts follow."""
+        if self.expiry is None:
+            self.put_rows(tables, ids, values)
+            return
+        self.recount_if_loaded()
+        column = self.expiry.column
+        before = read_last_seen(self.tiers.full_rows(tables, ids)[:, column : column + STAMP_WORDS], 0)
+        after = read_last_seen(values[:, column : column + STAMP_WORDS], 0)
+        stamped = self.expiry.stamped[tables]
+        after = np.where(stamped, np.maximum(before, after), after)
+        values = values.clone()
+        values[torch.from_numpy(stamped), column : column + STAMP_WORDS] = torch.from_numpy(
+            stamp_words(after[stamped])).to(values.dtype)
+        self.put_rows(tables, ids, values)
+        self.expiry.relooked(tables[stamped], before[stamped], after[stamped])
+
+    def raise_cap_floor(self, table: int, floor: int, clock: int) -> None:
+        """A row cap's floor found over every rank's rows (SharedRowCaps), ``clock`` being
+        the table's training step count."""
+        self.expiry.raise_cap_floor(table, floor, clock)
+        self.tiers.expire_below(self.expiry.floor)
+
+    def expire_until(self, clock: np.ndarray) -> None:
+        """Under k-step tables, after a merge: the floors rise to the tables' step counts
+        ``clock`` (the training steps every rank took)."""
+        if self.expiry is not None:
+            self.recount_if_loaded()
+            self.expiry.advance(clock)
+            self.tiers.expire_below(self.expiry.floor)
 
     def put_rows(self, tables: np.ndarray, ids: np.ndarray, values: torch.Tensor) -> None:
         """Overwrite rows (unique pairs) with ``[weights | optimizer state]`` values."""

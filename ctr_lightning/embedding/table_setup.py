@@ -116,6 +116,11 @@ class TableSetup:
         _check_dram(dram, module_name)
         return setup
 
+    @property
+    def timed_tables(self) -> list[str]:
+        """The tables whose ttl counts in data time."""
+        return sorted(name for name, e in self.expiry.items() if e.ttl_seconds is not None)
+
     def row_width(self, dim: int, tables: Sequence[str] = ()) -> int:
         """Floats stored per row of a group of ``tables``: the weights, the optimizer's state
         and, where a table expires rows, each row's last lookup step."""

@@ -412,6 +412,19 @@ class TieredEmbeddingBagCollection(nn.Module):
         the ones delta exports for serving can follow."""
         return set(self._setup.expiry)
 
+    def observe_event_time(self, seconds: float) -> None:
+        """The newest event time (POSIX seconds) of the training batch about to run, for
+        tables whose :class:`Expiry` ttl counts in data time (CTRModule calls it with each
+        ``Batch.event_time``; nothing happens where no ttl does). Call it before each
+        training forward; collective when sharded (the newest over all ranks counts).
+
+        Example::
+
+            ebc.observe_event_time(float(batch.event_time.max()))
+            loss = model(batch); loss.backward()
+        """
+        self._built().observe_event_time(seconds)
+
     def expiry_counts(self) -> dict[str, dict[str, int]]:
         """Per table that expires rows (``expiry``), this rank's ``rows`` live now and the rows
         gone so far: ``expired`` (by ttl) and ``evicted`` (by max_rows)."""

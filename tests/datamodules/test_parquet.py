@@ -4,6 +4,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from ctr_lightning.datamodules import BadLineError, ParquetDataModule, ParquetFormat
 from ctr_lightning.datamodules.bad_lines import UnreadableFileError
@@ -127,3 +128,33 @@ def test_a_damaged_row_group_fails_from_the_reader_or_is_skipped(tmp_path, num_w
     loader = BatchDataLoader(skipping, num_workers=num_workers)
     assert got_rows(loader) == [expected(r) for r in rows[:200]]
     assert loader.unreadable_files == {str(path): 201} and dict(loader.bad_line_counts) == {}
+
+
+@pytest.mark.parametrize("kind", ["seconds", "timestamp"])
+def test_event_times_come_from_a_column_or_the_hive_partitions(tmp_path, kind):
+    rows = make_rows(120, 5)
+    for i, row in enumerate(rows):
+        row["ts"] = 1_796_000_000 + 37 * i
+    rows[11]["ts"] = None  # a row without its event time is a bad row
+    table = pa.Table.from_pylist(rows)
+    if kind == "timestamp":
+        ms = pa.array([None if r["ts"] is None else r["ts"] * 1000 + 999 for r in rows], pa.timestamp("ms"))
+        table = table.set_column(table.schema.get_field_index("ts"), "ts", ms)
+    part = tmp_path / "dt=2026-12-01" / "hour=05"
+    part.mkdir(parents=True)
+    pq.write_table(table, part / "p.parquet", row_group_size=50)
+    dm = ParquetDataModule(train_paths=[str(part / "p.parquet")], batch_size=32, event_time_column="ts", **SCHEMA)
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    want = [r["ts"] for r in rows if r["ts"] is not None]
+    assert [int(t) for b in batches for t in b.event_time] == want
+    by_partition = ParquetDataModule(train_paths=[str(part / "p.parquet")], batch_size=32, partition_time=True,
+                                     **SCHEMA)
+    by_partition.setup("fit")
+    times = torch.cat([b.event_time for b in by_partition.train_dataloader()])
+    assert len(times) == 120 and set(times.tolist()) == {1796101200}  # 2026-12-01 05:00 UTC
+    write(tmp_path / "flat.parquet", make_rows(10, 6), row_group_size=10)
+    flat = ParquetDataModule(train_paths=[str(tmp_path / "flat.parquet")], partition_time=True, **SCHEMA)
+    flat.setup("fit")
+    with pytest.raises(ValueError, match=r"flat.parquet: partition_time=True .* this path has none"):
+        list(flat.train_dataloader())

@@ -168,7 +168,7 @@ def test_shipped_online_config_follows_a_drifting_log_and_exports_for_serving(tm
 
     in_process(["fit", "--config", "configs/online.yaml", "--data.days", "2", "--data.rows_per_hour", "256",
                 "--data.batch_size", "256", "--data.data_dir", str(tmp_path / "log"),
-                "--model.storage.ssd_dir", str(tmp_path / "ssd"), "--model.expiry.ttl", "6",
+                "--model.storage.ssd_dir", str(tmp_path / "ssd"), "--model.expiry.ttl", "6h",
                 "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--trainer.enable_progress_bar", "false"])
     (run,) = (tmp_path / "runs").glob("online/version_0")
     events = EventAccumulator(str(run))
@@ -182,5 +182,5 @@ def test_shipped_online_config_follows_a_drifting_log_and_exports_for_serving(tm
     served = read_export(exports / "step=000000048")
     assert [p.name for p in served.chain] == ["step=000000024", "step=000000048"]
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)
-    assert ckpt["global_step"] == 48 and dict(ckpt["hyper_parameters"]["expiry"])["ttl"] == 6
+    assert ckpt["global_step"] == 48 and dict(ckpt["hyper_parameters"]["expiry"])["ttl"] == "6h"
     assert sum(len(t) for t in served.tables.values()) > 1000

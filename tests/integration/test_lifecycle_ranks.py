@@ -1,7 +1,7 @@
 """The row lifecycle sharded over 2 gloo ranks: admission admits exactly what one process
 does, and expiry with admission keeps exactly the rows one process keeps, straight through
 and across a resume in the middle of the stream, and writes the same delta exports for
-serving; k-step tables keep the same rows across a resume. One launch of the ranks runs every case; each test checks its own."""
+serving; k-step tables keep the same rows across a resume, with expiry too. One launch of the ranks runs every case; each test checks its own."""
 
 import json
 import sys
@@ -19,8 +19,9 @@ from ctr_lightning.serving import read_export
 # Admission (64-example batches, cut after 5 of 10 steps): row-wise, table-wise, and on 2
 # ranks k-step tables (merges every 2 steps), whose owners admit at each merge on all ranks'
 # sightings of the interval.
-# Expiry with admission (32-example batches, cut after 7 of 14 steps): row-wise tables expire
-# by ttl; a table-wise table also has a row cap.
+# Expiry with admission (32-example batches, cut after 7 of 14 steps): tables expire by ttl,
+# t1's in data time (the newest event time over the ranks counts), and t0 has a row cap
+# (row-wise: counted over every rank's shard).
 RANK_SCRIPT = r"""
 import os, sys
 import numpy as np, torch, torch.distributed as dist
@@ -55,6 +56,12 @@ def local_kjt(step, size):
     return KeyedJaggedTensor(keys=["f0", "f1"], values=torch.from_numpy(np.concatenate(values)),
                              lengths=torch.from_numpy(np.concatenate(lens)))
 
+def local_event_time(step, size):
+    # Each example's event time, late ones among them; a rank sees its slice's newest only.
+    times = 1_796_000_000 + 2700 * step + np.random.default_rng(10_000 + step).integers(0, 5400, size)
+    share = size // world
+    return float(times[rank * share:(rank + 1) * share].max())
+
 loss_weights = torch.randn(16, generator=torch.Generator().manual_seed(0))
 
 def run(make, label, steps, cut, size, at_cut=None):
@@ -71,6 +78,7 @@ def run(make, label, steps, cut, size, at_cut=None):
             if label.endswith("resumed"):
                 ebc = make(label + "_again")
                 ebc.load_state_dict(state)
+        ebc.observe_event_time(local_event_time(step, size))  # collective where a ttl counts in data time
         pooled = ebc(local_kjt(step, size)).values()
         (pooled @ loss_weights).mean().backward()
     seen = {t.name: sorted({int(i) for s in range(steps) for i in global_batch(s, size)[1][k]})
@@ -116,12 +124,14 @@ for label in LABELS:
                    os.path.join(out_dir, f"admission_{label}_{world}.pt"))
 
 def expiring(label):
-    sharding = label.split("+")[0]
-    expiry = ({"t0": Expiry(ttl=3), "t1": Expiry(ttl=2)} if sharding == "row_wise" else
-              {"t0": Expiry(ttl=3, max_rows=25), "t1": Expiry(ttl=2)})
+    sharding = label.split("+")[0].replace("kstep_", "")
+    kstep = label.startswith("kstep")
+    t1 = Expiry(ttl=2) if kstep else Expiry(ttl="2h")  # a ttl in data time needs sparse_sync="step"
+    expiry = {"t0": Expiry(ttl=3, max_rows=25), "t1": t1}
+    sync = dict(sparse_sync="k_step", sync_every=2) if kstep else {}
     return TieredEmbeddingBagCollection(
         TABLES, optimizer=SparseAdam(lr=0.05), sharding=sharding, admission=Admission(admit_after=2), expiry=expiry,
-        storage=storage("expiry_" + label, device_rows=30, ssd_segment_bytes=4096))
+        storage=storage("expiry_" + label, device_rows=30, ssd_segment_bytes=4096), **sync)
 
 for label in ["row_wise", "row_wise+resumed", "table_wise", "table_wise+resumed"]:
     # A full export for serving at the cut, and a delta after it at the end.
@@ -133,6 +143,24 @@ for label in ["row_wise", "row_wise+resumed", "table_wise", "table_wise+resumed"
         export(state, f"export_{label}_{world}_end", since=os.path.join(out_dir, base))
         torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
                     "floors": state["expiry"], "counts": counts}, os.path.join(out_dir, f"expiry_{label}_{world}.pt"))
+if world > 1:
+    # k-step tables (merges every 2 steps; the owners raise their floors at each merge), with
+    # a checkpoint at the cut as above: resumed or not, the same rows kept.
+    for label in ["kstep_row_wise", "kstep_row_wise+resumed", "kstep_table_wise", "kstep_table_wise+resumed"]:
+        ebc, rows, state = run(expiring, label, steps=14, cut=7, size=32, at_cut=lambda cut_state: None)
+        counts = gathered(ebc.expiry_counts())
+        if rank == 0:
+            torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
+                        "floors": state["expiry"], "counts": counts},
+                       os.path.join(out_dir, f"expiry_{label}_{world}.pt"))
+    try:  # a ttl in data time under k-step is refused by name, on every rank alike
+        TieredEmbeddingBagCollection(TABLES, sharding="row_wise", expiry={"t1": Expiry(ttl="2h")},
+                                     sparse_sync="k_step", sync_every=2)(local_kjt(0, 32))
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    if rank == 0:
+        torch.save(refusal, os.path.join(out_dir, "kstep_data_time_refusal.pt"))
 print("RESULT {}", flush=True)
 if dist.is_initialized():
     dist.destroy_process_group()
@@ -210,8 +238,7 @@ def test_two_ranks_keep_the_rows_one_process_keeps(runs):
         gone = {n: sum(c[n]["expired"] + c[n]["evicted"] for c in one["counts"]) for n in one["stored"]}
         assert all(g > 10 for g in gone.values()), gone  # rows did go
         assert sum(len(ids) for ids in one["stored"].values()) == sum(c[n]["rows"] for c in one["counts"] for n in c)
-        if sharding == "table_wise":
-            assert sum(c["t0"]["evicted"] for c in one["counts"]) > 0 and len(one["stored"]["t0"]) <= 25
+        assert sum(c["t0"]["evicted"] for c in one["counts"]) > 0 and len(one["stored"]["t0"]) <= 25
         for label in (sharding, sharding + "+resumed"):
             for world in (1, 2):
                 run = load(runs, "expiry", label, world)
@@ -233,6 +260,22 @@ def test_two_ranks_keep_the_rows_one_process_keeps(runs):
                     np.testing.assert_allclose(got[name][1], vectors, atol=1e-5, rtol=0)
                 served = read_export(runs / f"export_{label}_{world}_end")
                 assert {n: t.ids.tolist() for n, t in served.tables.items()} == one["stored"], (label, world)
+    # k-step tables: straight and resumed keep the same rows, and rows did go.
+    for kind in ("kstep_row_wise", "kstep_table_wise"):
+        straight = load(runs, "expiry", kind, 2)
+        resumed = load(runs, "expiry", kind + "+resumed", 2)
+        gone = {n: sum(c[n]["expired"] + c[n]["evicted"] for c in straight["counts"] if n in c)
+                for n in straight["stored"]}
+        assert all(g > 10 for g in gone.values()), (kind, gone)
+        stored = sum(len(ids) for ids in straight["stored"].values())
+        assert stored == sum(c[n]["rows"] for c in straight["counts"] for n in c) > 20, kind
+        assert resumed["stored"] == straight["stored"] and resumed["floors"] == straight["floors"], kind
+        for name, rows in straight["rows"].items():
+            torch.testing.assert_close(resumed["rows"][name], rows, atol=1e-5, rtol=0)
+        assert sum(c["t0"]["evicted"] for c in straight["counts"] if "t0" in c) > 0
+        assert len(straight["stored"]["t0"]) <= 25
+    refusal = torch.load(runs / "kstep_data_time_refusal.pt")
+    assert "tables ['t1']: an Expiry ttl in data time is not supported under sparse_sync='k_step'" in refusal
     # Row-wise, each rank expired its own share; the counts add up to one process's.
     one = load(runs, "expiry", "row_wise", 1)
     two = load(runs, "expiry", "row_wise", 2)

@@ -36,6 +36,16 @@ def gather_sightings(local: dict[str, np.ndarray], process_group: dist.ProcessGr
     return joined
 
 
+def gather_floors(local: dict[str, int], process_group: dist.ProcessGroup) -> dict[str, int]:
+    """Collective: expiry's floors of every rank, per table (row-wise shards share a floor;
+    a table-wise table's is on its owner alone)."""
+    joined: dict[str, int] = {}
+    for part in gather_objects(local, process_group):
+        for name, floor in part.items():
+            joined[name] = max(floor, joined.get(name, floor))
+    return joined
+
+
 def gather_objects(item: Any, process_group: dist.ProcessGroup) -> list[Any]:
     """Collective: every rank's ``item`` (any picklable object), in rank order."""
     out: list[Any] = [None] * process_group.size()

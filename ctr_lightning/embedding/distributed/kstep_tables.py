@@ -17,12 +17,16 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ctr_lightning.embedding.distributed.collectives import (
     UnevenAllToAll,
     broadcast_from_rank0,
+    gather_floors,
     gather_sightings,
     gather_tables,
     owners_rows,
 )
 from ctr_lightning.embedding.distributed.shard_snapshots import save_shards
+from ctr_lightning.embedding.distributed.shared_row_caps import SharedRowCaps
 from ctr_lightning.embedding.engine import TableEngine, TableState
+from ctr_lightning.embedding.expiry_config import Expiry
+from ctr_lightning.embedding.lifecycle.row_expiry import read_last_seen, stamp_words
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
 from ctr_lightning.embedding.snapshots.table_snapshot import SnapshotManifest, SnapshotRef
@@ -46,6 +50,11 @@ class KStepTables(TableEngine):
 
     With ``k=1`` and the same batch on every rank, this equals one process on that batch.
 
+    Tables with an :class:`Expiry` (a ttl in steps, ``max_rows``): the local copy's rows
+    record their last lookup step; at a merge each owner takes a row's newest over the
+    ranks (the stamp travels exact, beside the rounded optimizer state) and raises its
+    floors to the step count, so the rows kept depend on the merges alone.
+
     Example::
 
         tables = KStepTables(configs, setup, plan, process_group, MergeSchedule(k=16))
@@ -59,12 +68,10 @@ class KStepTables(TableEngine):
         if data_parallel:
             raise ValueError(f"tables {data_parallel}: data_parallel sharding needs sparse_sync='step'; under 'k_step' "
                              f"every rank trains a local copy of the rows it touches already")
-        expiring = sorted(t.name for t in tables if t.name in setup.expiry)
-        if expiring:
-            # The local copies would need each row's last lookup step merged (a maximum,
-            # not a mean of deltas), and the owners' floors raised at the merges.
-            raise ValueError(f"tables {expiring}: Expiry is not supported under sparse_sync='k_step' yet; use "
-                             f"sparse_sync='step' for tables that expire rows")
+        if setup.timed_tables:
+            # The owners would need every step's newest event time over the ranks at each merge.
+            raise ValueError(f"tables {setup.timed_tables}: an Expiry ttl in data time is not supported under "
+                             f"sparse_sync='k_step' yet; give the ttl in training steps, or use sparse_sync='step'")
         self.tables = list(tables)
         self.plan = dict(plan)
         self.process_group = process_group
@@ -75,9 +82,13 @@ class KStepTables(TableEngine):
         owned = [t for t in tables if plan[t.name].kind == "row_wise" or plan[t.name].owner == self.rank]
         row_wise = [t.name for t in tables if plan[t.name].kind == "row_wise"]
         self.shard = LocalTables(owned, setup.for_rank(self.rank).row_wise_shard(self.world, self.rank, row_wise))
+        self.caps = SharedRowCaps(self.shard.groups, process_group)  # max_rows of row-wise tables
         # The local copy holds one interval's working set, in memory. It trains every row it
         # touches; admission is the owners' decision, at the merge, on all ranks' sightings.
-        self.local_copy = LocalTables(tables, dataclasses.replace(setup.in_memory(), admission={}))
+        # Expiry too: the copy's rows only record their last lookup step (Expiry()), the
+        # owners take each row's newest over the ranks at the merge and raise their floors.
+        self.local_copy = LocalTables(tables, dataclasses.replace(
+            setup.in_memory(), admission={}, expiry={name: Expiry() for name in setup.expiry}))
         self.admits = bool(setup.admission)
         index = {t.name: i for i, t in enumerate(tables)}
         self.copy_globals = [np.array([index[n] for n in g.names], dtype=np.int64) for g in self.local_copy.groups]
@@ -86,6 +97,9 @@ class KStepTables(TableEngine):
         n = len(tables)
         self.width = np.zeros(n, dtype=np.int64)
         self.dim = np.array([t.embedding_dim for t in tables], dtype=np.int64)
+        # Floats a row's optimizer steps (weights and state); the last-lookup stamp follows.
+        self.core = np.array([setup.core_width(t.embedding_dim) for t in tables], dtype=np.int64)
+        self.stamped = np.array([t.name in setup.expiry for t in tables])
         self.state_dtype = state_dtype
         self.copy_group_of = np.zeros(n, dtype=np.int64)
         self.copy_local_of = np.zeros(n, dtype=np.int64)
@@ -94,8 +108,8 @@ class KStepTables(TableEngine):
             self.copy_group_of[globals_] = g
             self.copy_local_of[globals_] = np.arange(len(globals_))
         # Float32 words a row takes on the wire (optimizer state packed two to a word in bfloat16).
-        self.wire_width = np.array([_wire_width(int(w), int(d), state_dtype) for w, d in zip(self.width, self.dim)],
-                                   dtype=np.int64)
+        self.wire_width = np.array([_wire_width(int(w), int(d), int(c), state_dtype)
+                                    for w, d, c in zip(self.width, self.dim, self.core)], dtype=np.int64)
         self.shard_group_of = np.full(n, -1, dtype=np.int64)
         self.shard_local_of = np.full(n, -1, dtype=np.int64)
         for name, (g, local) in self.shard.table_of_name.items():
@@ -188,15 +202,15 @@ class KStepTables(TableEngine):
         for start, end in _runs(self.shard_group_of[tables]):
             group = self.shard.groups[int(self.shard_group_of[tables[start]])]
             rows = group.full_rows(self.shard_local_of[tables[start:end]], ids[start:end])
-            out.append(self._pack(rows, int(self.dim[tables[start]])).reshape(-1))
+            out.append(self._pack(rows, int(tables[start])).reshape(-1))
         return torch.cat(out) if out else torch.empty(0)
 
-    def _pack(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
-        return _pack(rows, dim, self.state_dtype)
+    def _pack(self, rows: torch.Tensor, table: int) -> torch.Tensor:
+        return _pack(rows, int(self.dim[table]), int(self.core[table]), self.state_dtype)
 
     def _unpack(self, flat: torch.Tensor, n: int, table: int) -> torch.Tensor:
-        return _unpack(flat.view(n, int(self.wire_width[table])), int(self.dim[table]), int(self.width[table]),
-                       self.state_dtype)
+        return _unpack(flat.view(n, int(self.wire_width[table])), int(self.dim[table]), int(self.core[table]),
+                       int(self.width[table]), self.state_dtype)
 
     def _insert(self, tables: np.ndarray, ids: np.ndarray, counts: np.ndarray, received: list[torch.Tensor]) -> None:
         starts = np.concatenate([[0], np.cumsum(counts)])
@@ -232,8 +246,11 @@ class KStepTables(TableEngine):
             position = torch.from_numpy(base_index.lookup(changed.tables, changed.ids))
             delta = changed.values.cpu() - base_rows[position]
             tables = self.copy_globals[g][changed.tables]
+            core = int(self.core[tables[0]])
+            if self.stamped[tables[0]]:  # a stamp travels as it is: the owner takes the newest
+                delta[:, core:] = changed.values.cpu()[:, core:]
             dest = self._owner(tables, changed.ids)
-            packed = self._pack(delta, int(self.dim[tables[0]]))
+            packed = self._pack(delta, int(tables[0]))
             columns = [tables, changed.ids]
             if self.admits:  # the owners admit on every rank's sightings
                 columns.append(self._interval_sightings(g, changed.tables, changed.ids))
@@ -276,6 +293,11 @@ class KStepTables(TableEngine):
             mean = torch.zeros(len(first), rows.shape[1])
             mean.index_add_(0, torch.from_numpy(inverse), rows)
             mean /= torch.from_numpy(np.bincount(inverse, minlength=len(first))).to(mean.dtype)[:, None]
+            core = int(self.core[tables[0]])
+            newest = None
+            if self.stamped[tables[0]]:  # each row's newest lookup on any rank, not a mean
+                newest = np.full(len(first), -1, dtype=np.int64)
+                np.maximum.at(newest, inverse, read_last_seen(rows, core))
             sightings = np.bincount(inverse, weights=np.concatenate([p[3] for p in parts]),
                                     minlength=len(first)).astype(np.int64)
             tables, ids = tables[first], ids[first]
@@ -286,7 +308,20 @@ class KStepTables(TableEngine):
                 # Rows stored nowhere keep their deltas only where admission takes them now.
                 keep = group.admit_merged(local, ids[pick], sightings[pick], self.schedule.steps)
                 pick, local = pick[keep], local[keep]
-                group.put_rows(local, ids[pick], group.full_rows(local, ids[pick]) + mean[torch.from_numpy(pick)])
+                merged = group.full_rows(local, ids[pick]) + mean[torch.from_numpy(pick)]
+                if newest is not None:
+                    merged[:, core:] = torch.from_numpy(stamp_words(newest[pick]))
+                group.put_merged(local, ids[pick], merged)
+        self._expire_owned()
+
+    def _expire_owned(self) -> None:
+        """After a merge: the owners' floors rise with the training steps every rank took."""
+        steps = {name: int(group.steps[local]) for group in self.local_copy.groups
+                 for local, name in enumerate(group.names)}
+        for group in self.shard.groups:
+            if group.expiry is not None:
+                group.expire_until(np.array([steps[name] for name in group.names], dtype=np.int64))
+        self.caps.settle(steps)  # collective, as the merge is
 
     # -- reads, checkpoints ----------------------------------------------------------------
 
@@ -310,6 +345,16 @@ class KStepTables(TableEngine):
 
     def load_sightings(self, state: Mapping[str, np.ndarray]) -> None:
         self.shard.load_sightings(state)
+
+    def expiry_counts(self) -> dict[str, dict[str, int]]:
+        return self.shard.expiry_counts()
+
+    def expiry_floors(self) -> dict[str, int]:
+        # Floors move at merges alone, with the owners' rows: no merge needed to read them.
+        return gather_floors(self.shard.expiry_floors(), self.process_group)
+
+    def load_expiry_floors(self, floors: Mapping[str, int]) -> None:
+        self.shard.load_expiry_floors(floors)
 
     def storage(self) -> dict[str, int]:
         held = self.shard.storage()
@@ -377,27 +422,29 @@ class KStepTables(TableEngine):
         pass
 
 
-def _wire_width(width: int, dim: int, state_dtype: torch.dtype) -> int:
-    """Float32 words of one row on the wire: weights, then the state (bfloat16: two a word)."""
-    return width if state_dtype == torch.float32 else dim + (width - dim + 1) // 2
+def _wire_width(width: int, dim: int, core: int, state_dtype: torch.dtype) -> int:
+    """Float32 words of one row on the wire: weights, the state (bfloat16: two a word), then
+    any last-lookup stamp as it is."""
+    return width if state_dtype == torch.float32 else dim + (core - dim + 1) // 2 + (width - core)
 
 
-def _pack(rows: torch.Tensor, dim: int, state_dtype: torch.dtype) -> torch.Tensor:
+def _pack(rows: torch.Tensor, dim: int, core: int, state_dtype: torch.dtype) -> torch.Tensor:
     """``[n, width]`` rows as ``[n, wire width]`` float32 words: weights as they are, the
-    optimizer state rounded to ``state_dtype``."""
+    optimizer state (columns ``dim:core``) rounded to ``state_dtype``, the stamp exact."""
     if state_dtype == torch.float32:
         return rows
-    state = rows[:, dim:].to(state_dtype)
+    state = rows[:, dim:core].to(state_dtype)
     if state.shape[1] % 2:
         state = torch.nn.functional.pad(state, (0, 1))
-    return torch.cat([rows[:, :dim], state.contiguous().view(torch.float32)], dim=1)
+    return torch.cat([rows[:, :dim], state.contiguous().view(torch.float32), rows[:, core:]], dim=1)
 
 
-def _unpack(words: torch.Tensor, dim: int, width: int, state_dtype: torch.dtype) -> torch.Tensor:
+def _unpack(words: torch.Tensor, dim: int, core: int, width: int, state_dtype: torch.dtype) -> torch.Tensor:
     if state_dtype == torch.float32:
         return words
-    state = words[:, dim:].contiguous().view(state_dtype)[:, : width - dim].float()
-    return torch.cat([words[:, :dim], state], dim=1)
+    packed = (core - dim + 1) // 2
+    state = words[:, dim : dim + packed].contiguous().view(state_dtype)[:, : core - dim].float()
+    return torch.cat([words[:, :dim], state, words[:, dim + packed :]], dim=1)
 
 
 def _runs(values: np.ndarray) -> list[tuple[int, int]]:

@@ -19,6 +19,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from ctr_lightning.embedding.counters import sum_counters
 from ctr_lightning.embedding.distributed.collectives import (
     broadcast_from_rank0,
+    gather_floors,
     gather_objects,
     gather_sightings,
     gather_tables,
@@ -26,6 +27,7 @@ from ctr_lightning.embedding.distributed.collectives import (
 )
 from ctr_lightning.embedding.distributed.data_parallel import DataParallelTables
 from ctr_lightning.embedding.distributed.shard_snapshots import save_shards
+from ctr_lightning.embedding.distributed.shared_row_caps import SharedRowCaps
 from ctr_lightning.embedding.engine import TableEngine, TableState
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
@@ -73,6 +75,7 @@ class ShardedTables(TableEngine):
         self.world = process_group.size()
         self.rank = dist.get_rank(process_group)
         self.module_name = setup.module_name
+        self.timed = bool(setup.timed_tables)  # a ttl in data time: event times are all-reduced
         self.is_weighted = setup.is_weighted
         self.feature_names = [f for t in tables for f in t.feature_names]
         self.dims = [t.embedding_dim for t in tables for _ in t.feature_names]
@@ -85,6 +88,7 @@ class ShardedTables(TableEngine):
         local_tables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in row_wise] + on_rank[self.rank]
         self.local = LocalTables(local_tables, setup.for_rank(self.rank).row_wise_shard(
             self.world, self.rank, [t.name for t in row_wise]))
+        self.caps = SharedRowCaps(self.local.groups, process_group)  # max_rows of row-wise tables
         index = {f: i for i, f in enumerate(self.feature_names)}
         rw_features = [index[f] for t in row_wise for f in t.feature_names]
         # Keys sent to rank r, in the order r's LocalTables expects them.
@@ -144,6 +148,7 @@ class ShardedTables(TableEngine):
     # -- one step --------------------------------------------------------------------------
 
     def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
+        self.caps.settle()  # the last step's row caps, over all ranks, before any lookup
         features, local_in, strides = self.input_dist(features)
         pooled_local = self.compute(local_in, train) if self.sharded else None
         replicated = (self.replicas.forward(features.permute(self.replica_features), train)
@@ -278,6 +283,7 @@ class ShardedTables(TableEngine):
         data-parallel table answers from this rank's replica, with no collective)."""
         if self.plan[table].kind == "data_parallel":
             return self.replicas.local.rows(table, ids)
+        self.caps.settle()
         return owners_rows(self.local, self.tables, table, self.owns(table, ids), ids, self.process_group)
 
     def admission_counts(self) -> dict[str, dict[str, int]]:
@@ -290,15 +296,33 @@ class ShardedTables(TableEngine):
         return self.local.expiry_counts()
 
     def expiry_floors(self) -> dict[str, int]:
-        # Row-wise shards share a floor; a table-wise table's is on its owner alone.
-        joined: dict[str, int] = {}
-        for part in gather_objects(self.local.expiry_floors(), self.process_group):
-            for name, floor in part.items():
-                joined[name] = max(floor, joined.get(name, floor))
-        return joined
+        self.caps.settle()
+        return gather_floors(self.local.expiry_floors(), self.process_group)
 
     def load_expiry_floors(self, floors: Mapping[str, int]) -> None:
         self.local.load_expiry_floors(floors)
+
+    def expiry_clock(self) -> dict[str, Any]:
+        # Every rank sees the same event times (observe_event_time takes the newest over
+        # all): a row-wise table's entries agree, a table-wise table's are on its owner.
+        joined: dict[str, Any] = {}
+        for part in gather_objects(self.local.expiry_clock(), self.process_group):
+            newest = part.pop("newest", None)
+            if newest is not None:
+                joined["newest"] = max(newest, joined.get("newest", newest))
+            for name, entry in part.items():
+                joined.setdefault(name, entry)
+        return joined
+
+    def load_expiry_clock(self, state: Mapping[str, Any]) -> None:
+        self.local.load_expiry_clock(state)
+
+    def observe_event_time(self, seconds: float) -> None:
+        if not self.timed:
+            return
+        newest = torch.tensor([float(seconds)], dtype=torch.float64)
+        dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=self.process_group)
+        self.local.observe_event_time(float(newest))
 
     def load_sightings(self, state: Mapping[str, np.ndarray]) -> None:
         self.local.load_sightings(state)
@@ -311,6 +335,7 @@ class ShardedTables(TableEngine):
 
     def export(self) -> dict[str, TableState]:
         """Collective: every rank gets the rows of all shards, per table (rank 0's replicas)."""
+        self.caps.settle()
         local = self.local.export()
         if self.replicas is not None and self.rank == 0:
             local.update(self.replicas.local.export())
@@ -324,6 +349,7 @@ class ShardedTables(TableEngine):
     def save_snapshot(self, directory: str | os.PathLike, parent: SnapshotRef | None = None) -> SnapshotManifest:
         """Collective: each rank streams its shard to its own files, rank 0 the replicas too;
         rank 0 writes the manifest."""
+        self.caps.settle()
         return save_shards(self.local, directory, self.process_group, self.plan, parent=parent,
                            replicas=self.replicas.local if self.replicas is not None else None)
 

@@ -14,8 +14,9 @@ from ctr_lightning.embedding.table_setup import TableSetup
 
 class LifecycleState:
     """The checkpoint entries of a collection's row lifecycle: admission's sighting counters
-    (``"sightings"``, the tables admission counts for) and expiry's floors (``"expiry"``, the
-    stamped tables), so a resumed run admits and keeps what an uninterrupted one would.
+    (``"sightings"``, the tables admission counts for), expiry's floors (``"expiry"``, the
+    stamped tables) and, where a ttl counts in data time, the event times it needs
+    (``"expiry_clock"``), so a resumed run admits and keeps what an uninterrupted one would.
     Entries read from a checkpoint wait (:meth:`take`) until the rows are loaded, and are
     handed to the engine then (:meth:`restore`).
 
@@ -27,7 +28,7 @@ class LifecycleState:
         lifecycle.restore(engine)                      # once its rows are in
     """
 
-    KEYS = ("sightings", "expiry")
+    KEYS = ("sightings", "expiry", "expiry_clock")
 
     def __init__(self, setup: TableSetup) -> None:
         self.setup = setup
@@ -41,6 +42,11 @@ class LifecycleState:
             out["sightings"] = {name: torch.from_numpy(c) for name, c in counts.items()}
         if self.setup.expiry:
             out["expiry"] = engine().expiry_floors()
+        if self.setup.timed_tables:
+            clock = engine().expiry_clock()
+            out["expiry_clock"] = {name: entry if name == "newest" else
+                                   {"base": entry["base"], "times": torch.from_numpy(entry["times"])}
+                                   for name, entry in clock.items()}
         return out
 
     def take(self, state: Mapping[str, Any]) -> None:
@@ -50,5 +56,14 @@ class LifecycleState:
         pending, self.pending = self.pending, {}
         if "expiry" in pending:  # which of the restored rows are gone
             engine.load_expiry_floors({name: int(floor) for name, floor in pending["expiry"].items()})
+        if self.setup.timed_tables:
+            clock = pending.get("expiry_clock")
+            if clock is None and "expiry" in pending:
+                raise KeyError(f"tables {self.setup.timed_tables} have a ttl in data time but the checkpoint holds "
+                               f"no event times (saved with a ttl in steps?)")
+            if clock is not None:
+                engine.load_expiry_clock({name: entry if name == "newest" else
+                                          {"base": int(entry["base"]), "times": np.asarray(entry["times"])}
+                                          for name, entry in clock.items()})
         if "sightings" in pending:
             engine.load_sightings({name: np.asarray(counts) for name, counts in pending["sightings"].items()})

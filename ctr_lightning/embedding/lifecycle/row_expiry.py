@@ -37,39 +37,49 @@ class RowExpiry:
     A stored row is *live* while the step it was last looked up at in training is at least
     its table's floor; rows below it are gone wherever a copy of them lies (memory, SSD,
     a snapshot), so their physical deletion may come at any time later. The floor only
-    rises: to ``clock - ttl`` with the table's step count, and to the oldest step whose
-    rows, with all newer ones, fit ``max_rows``. For that each table keeps the count of
-    live rows per last-lookup step. ``ttl`` needs nothing of other ranks, so a table
-    sharded row-wise (``partitions[t] = (world, rank)``) may expire rows; ``max_rows`` there
-    would need every rank's counts at each step and is refused for now.
+    rises: to ``clock - ttl`` with the table's step count (for a ttl in data time: to the
+    oldest step as of which the newest event time trained was within ``ttl`` of the newest
+    one now), and to the oldest step whose rows, with all newer ones, fit ``max_rows``. For
+    that each table keeps the count of live rows per last-lookup step (and, in data time,
+    the newest event time as of each step of its window, 8 bytes a step). ``ttl`` needs
+    nothing of other ranks but, in data time, the batch's newest event time over all ranks;
+    ``max_rows`` on a table sharded row-wise (``partitions[t] = (world, rank)``) needs every
+    rank's counts, and its floor is raised by :class:`SharedRowCaps` before the next lookup.
 
     Example::
 
         expiry = RowExpiry(["user", "ad"], [Expiry(ttl=1000), None], stamp_column=96)
         live = expiry.live(tables, rows)          # rows read from any tier
         expiry.looked_up(tables, last_seen, step) # a training lookup's rows
-        expiry.advance(steps)                     # after the step: floors raised
+        expiry.advance(steps, event_time)         # after the step: floors raised
     """
 
     def __init__(self, names: Sequence[str], settings: Sequence[Expiry | None], stamp_column: int,
                  partitions: Sequence[tuple[int, int]] | None = None) -> None:
         self.names = list(names)
         self.settings = list(settings)
-        for name, s, (world, _) in zip(self.names, self.settings, partitions or [(1, 0)] * len(self.names)):
-            if s is not None and s.max_rows is not None and world > 1:
-                raise ValueError(f"table {name!r}: Expiry.max_rows on a table sharded row-wise over {world} ranks is "
-                                 f"not supported yet (the cap needs every rank's counts at each step); shard it "
-                                 f"table_wise, or use Expiry.ttl")
+        worlds = [world for world, _ in (partitions or [(1, 0)] * len(self.names))]
         self.column = stamp_column
         n = len(self.names)
         self.stamped = np.array([s is not None for s in self.settings], dtype=bool)
-        self.ttl = np.array([s.ttl if s is not None and s.ttl is not None else -1 for s in self.settings],
-                            dtype=np.int64)
+        self.ttl = np.array([s.ttl_steps if s is not None and s.ttl_steps is not None else -1
+                             for s in self.settings], dtype=np.int64)
+        self.ttl_seconds = np.array([s.ttl_seconds if s is not None and s.ttl_seconds is not None else -1.0
+                                     for s in self.settings], dtype=np.float64)
+        self.timed = self.ttl_seconds >= 0
+        # Data time: the newest event time trained so far, and per timed table the newest
+        # event time as of each step from its floor on (times[t][k]: step time_base[t] + k).
+        self.newest: float | None = None
+        self.times: list[np.ndarray] = [np.zeros(0, dtype=np.float64) for _ in range(n)]
+        self.time_base = np.zeros(n, dtype=np.int64)
         self.max_rows = np.array([s.max_rows if s is not None and s.max_rows is not None else -1
                                   for s in self.settings], dtype=np.int64)
+        # A row cap on a table sharded row-wise counts every rank's rows: its floor is raised
+        # by SharedRowCaps, collectively, not in advance().
+        self.shared_cap = (self.max_rows >= 0) & (np.array(worlds) > 1)
         # Tables whose rows go count their live rows per last-lookup step (stamped tables that
         # expire nothing would count without end, and need no count).
-        self.counting = (self.ttl >= 0) | (self.max_rows >= 0)
+        self.counting = (self.ttl >= 0) | self.timed | (self.max_rows >= 0)
         self.floor = np.where(self.stamped, 0, _NO_FLOOR).astype(np.int64)
         # Live rows per last-lookup step: counts[t][k] rows last looked up at step base[t] + k.
         self.counts: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(n)]
@@ -101,20 +111,24 @@ class RowExpiry:
 
     def live_rows(self) -> dict[str, int]:
         """Per table whose rows go, the rows live now (this process's share)."""
-        return {name: int(self.counts[t][max(0, self.floor[t] - self.base[t]):].sum())
-                for t, name in enumerate(self.names) if self.counting[t]}
+        return {name: self.live_total(t) for t, name in enumerate(self.names) if self.counting[t]}
 
     # -- a training step -------------------------------------------------------------------
 
     def looked_up(self, tables: np.ndarray, last_seen: np.ndarray, step: np.ndarray) -> None:
         """A training lookup's stored rows (unique), each last looked up at ``last_seen``
         before (-1 or below the floor: new, or back after expiring), now at ``step[t]``."""
+        self.relooked(tables, last_seen, step[tables])
+
+    def relooked(self, tables: np.ndarray, before: np.ndarray, after: np.ndarray) -> None:
+        """Stored rows (unique) last looked up at ``before`` (-1 or below the floor: new, or
+        back after expiring) are now last looked up at ``after``, row by row (k-step tables'
+        merges bring each row's newest lookup on any rank)."""
         for t in np.unique(tables[self.counting[tables]]):
             mine = tables == t
-            before = last_seen[mine]
-            before = before[before >= self.floor[t]]
-            self._add(int(t), before, -1)
-            self._add(int(t), np.full(int(mine.sum()), int(step[t]), dtype=np.int64), +1)
+            old, new = before[mine], after[mine]
+            self._add(int(t), old[old >= self.floor[t]], -1)
+            self._add(int(t), new[new >= self.floor[t]], +1)
 
     def _add(self, t: int, steps: np.ndarray, sign: int) -> None:
         if not len(steps):
@@ -126,18 +140,61 @@ class RowExpiry:
             self.counts[t] = grown
         np.add.at(self.counts[t], steps - self.base[t], sign)
 
-    def advance(self, clock: np.ndarray) -> None:
-        """After a training step (``clock``: the tables' step counts now): raise the floors."""
+    def advance(self, clock: np.ndarray, event_time: float | None = None) -> None:
+        """After a training step (``clock``: the tables' step counts now; ``event_time``: the
+        newest event time of its batch, over all ranks): raise the floors."""
+        if self.timed.any():
+            self._observe(clock, event_time)
         for t in np.flatnonzero(self.counting):
             floor = int(self.floor[t])
             if self.ttl[t] >= 0:
                 floor = max(floor, int(clock[t]) - int(self.ttl[t]))
+            if self.timed[t]:
+                floor = max(floor, self._time_floor(int(t)))
             ttl_floor = floor
-            if self.max_rows[t] >= 0:
+            if self.max_rows[t] >= 0 and not self.shared_cap[t]:
                 floor = max(floor, self._cap_floor(int(t), floor, int(clock[t])))
             self._raise_floor(int(t), ttl_floor, floor)
 
-    def _window(self, t: int, start: int, stop: int) -> np.ndarray:
+    def _observe(self, clock: np.ndarray, event_time: float | None) -> None:
+        """Record the newest event time as of the step just trained (its stamp: ``clock - 1``)."""
+        if event_time is None:
+            t = int(np.flatnonzero(self.timed)[0])
+            raise ValueError(f"table {self.names[t]!r}: Expiry.ttl {self.settings[t].ttl!r} counts in data time, but "
+                             f"this training batch carries no event time; give the DataModule an event_time_column, "
+                             f"or partition_time=True for dt=/hour= partitions (your own loop: "
+                             f"observe_event_time before each training forward), or set the ttl in steps")
+        self.newest = float(event_time) if self.newest is None else max(self.newest, float(event_time))
+        for t in np.flatnonzero(self.timed):
+            at = int(clock[t]) - 1 - int(self.time_base[t])
+            if at < 0:
+                continue  # a step below the floor: its rows are gone already
+            if at >= len(self.times[t]):
+                grown = np.full(max(at + 1, 2 * len(self.times[t]), 64), np.nan)
+                grown[: len(self.times[t])] = self.times[t]
+                self.times[t] = grown
+            self.times[t][at] = self.newest
+
+    def _time_floor(self, t: int) -> int:
+        """The oldest step whose newest event time is within ``ttl`` of the newest trained."""
+        times = self.times[t]
+        known = np.flatnonzero(~np.isnan(times))
+        within = known[times[known] >= self.newest - self.ttl_seconds[t]]
+        return int(self.time_base[t]) + int(within[0]) if len(within) else int(self.floor[t])
+
+    def live_total(self, t: int) -> int:
+        """Live rows of table ``t``, this process's."""
+        return int(self.counts[t][max(0, self.floor[t] - self.base[t]):].sum())
+
+    def raise_cap_floor(self, t: int, floor: int, clock: int) -> None:
+        """A row cap's floor, found over every rank's counts (SharedRowCaps): the rows of
+        steps below it are evicted."""
+        if floor > clock - 1:
+            raise ValueError(f"table {self.names[t]!r}: one training batch touched more rows than Expiry.max_rows "
+                             f"({int(self.max_rows[t])}) over all ranks; raise max_rows")
+        self._raise_floor(t, int(self.floor[t]), floor)
+
+    def window(self, t: int, start: int, stop: int) -> np.ndarray:
         """Live rows per step of ``[start, stop)``, this process's."""
         out = np.zeros(stop - start, dtype=np.int64)
         counts, base = self.counts[t], int(self.base[t])
@@ -148,7 +205,7 @@ class RowExpiry:
 
     def _cap_floor(self, t: int, floor: int, clock: int) -> int:
         """The oldest step whose rows, with all newer ones, fit ``max_rows``."""
-        window = self._window(t, floor, clock + 1)
+        window = self.window(t, floor, clock + 1)
         newer = np.cumsum(window[::-1])[::-1]  # rows last looked up at that step or later
         fits = np.flatnonzero(newer <= self.max_rows[t])
         if not len(fits) or (len(window) >= 2 and newer[-2] > self.max_rows[t]):
@@ -160,7 +217,7 @@ class RowExpiry:
         old = int(self.floor[t])
         if floor <= old:
             return
-        gone = self._window(t, old, floor)
+        gone = self.window(t, old, floor)
         by_ttl = int(gone[: max(0, ttl_floor - old)].sum())
         name = self.names[t]
         self.per_table[name]["expired"] += by_ttl
@@ -170,6 +227,11 @@ class RowExpiry:
         if drop > 0:
             self.counts[t] = self.counts[t][drop:].copy()
             self.base[t] += drop
+        if self.timed[t]:
+            drop = min(floor - int(self.time_base[t]), len(self.times[t]))
+            if drop > 0:
+                self.times[t] = self.times[t][drop:].copy()
+                self.time_base[t] += drop
 
     # -- checkpoints -----------------------------------------------------------------------
 
@@ -177,6 +239,33 @@ class RowExpiry:
         """Per stamped table, its floor: with the rows' stamps and step counts, it says which
         stored rows are live (the per-step counts are recounted from the rows at a load)."""
         return {name: int(self.floor[t]) for t, name in enumerate(self.names) if self.stamped[t]}
+
+    def clock_state(self) -> dict[str, object]:
+        """Data time, where a ttl counts in it: the newest event time trained and per timed
+        table the newest event time as of each step from its floor on (``nan``: a step not
+        trained here)."""
+        if not self.timed.any():
+            return {}
+        out: dict[str, object] = {"newest": self.newest}
+        for t in np.flatnonzero(self.timed):
+            at = max(0, int(self.floor[t]) - int(self.time_base[t]))
+            times = self.times[t][at:]
+            known = np.flatnonzero(~np.isnan(times))
+            times = times[: known[-1] + 1] if len(known) else times[:0]
+            out[self.names[t]] = {"base": int(self.time_base[t]) + at, "times": times.copy()}
+        return out
+
+    def load_clock(self, state: dict[str, object]) -> None:
+        for t in np.flatnonzero(self.timed):
+            name = self.names[t]
+            if name not in state:
+                raise KeyError(f"table {name!r} has a ttl in data time but the checkpoint holds no event times for "
+                               f"it (saved with a ttl in steps, or without expiry?)")
+            entry = state[name]
+            self.time_base[t] = int(entry["base"])
+            self.times[t] = np.asarray(entry["times"], dtype=np.float64).copy()
+        newest = state.get("newest")
+        self.newest = None if newest is None else float(newest)
 
     def load(self, floors: dict[str, int]) -> None:
         for t, name in enumerate(self.names):

@@ -17,12 +17,14 @@ def stream(seed: int = 0, steps: int = STEPS) -> list[list[tuple[np.ndarray, np.
     return zipf_stream(seed, steps, BATCH, 1.3)
 
 
-def lives(steps, ttl: int | None = None, max_rows: int | None = None):
+def lives(steps, ttl: int | None = None, max_rows: int | None = None, times=None, ttl_seconds=None):
     """What expiry must do, computed apart from the library: per table, each id's last
-    lookup step and the step its current life began, and the floor after the last step."""
+    lookup step and the step its current life began, and the floor after the last step.
+    With ``times`` (each step's event time) and ``ttl_seconds``: the ttl in data time."""
     last = [{}, {}]
     began = [{}, {}]
     floor = [0, 0]
+    newest = [max(times[: k + 1]) for k in range(len(times))] if times is not None else None
     for clock, features in enumerate(steps):
         for t, (_, ids) in enumerate(features):
             for i in np.unique(ids).tolist():
@@ -32,6 +34,9 @@ def lives(steps, ttl: int | None = None, max_rows: int | None = None):
             new_floor = floor[t]
             if ttl is not None:
                 new_floor = max(new_floor, clock + 1 - ttl)
+            if ttl_seconds is not None:
+                while newest[new_floor] < newest[clock] - ttl_seconds:
+                    new_floor += 1
             if max_rows is not None:
                 while sum(1 for s in last[t].values() if s >= new_floor) > max_rows:
                     new_floor += 1
@@ -80,6 +85,47 @@ def test_ttl_keeps_the_rows_looked_up_in_the_window_trained_from_their_return(tm
         x for f in steps[: b] for x in f[t][1].tolist()})
     assert restarted > 3  # ids that expired and came back: they start over
     assert ebc.tier_stats()["rows_expired"] > 10 and ebc.tier_stats()["ssd_hits"] > 0
+
+
+def test_a_ttl_in_data_time_keeps_the_rows_looked_up_within_it_of_the_newest_event(tmp_path):
+    """Event times jump, stand still and go back (late data): a row is gone once the newest
+    event time is more than the ttl past the newest one as of its last lookup."""
+    steps = stream(seed=4, steps=30)
+    rng = np.random.default_rng(4)
+    times = (1_796_000_000 + np.cumsum(rng.choice([0, 600, 1800, 3600, 7200], size=30))
+             - rng.choice([0, 0, 0, 5400], size=30)).tolist()
+    ebc = collection(tmp_path, "e", expiry=Expiry(ttl="2h"))
+    train(ebc, steps, times)
+    live, gone = lives(steps, times=times, ttl_seconds=7200)
+    reference = collection(tmp_path, "r")
+    train(reference, from_life_start(steps, live))
+    check_rows(ebc, reference, live, gone)
+    assert ebc.tier_stats()["rows_expired"] > 10
+    # A resume from the state dict goes on exactly as the uninterrupted run.
+    first = collection(tmp_path, "a", expiry=Expiry(ttl="2h"))
+    train(first, steps[:17], times[:17])
+    first.checkpoint_to_snapshots(None)
+    state = first.state_dict()
+    resumed = collection(tmp_path, "b", expiry=Expiry(ttl="2h"))
+    resumed.load_state_dict(state)
+    train(resumed, steps[17:], times[17:])
+    for name in ("t0", "t1"):
+        ids = np.unique(np.concatenate([f[int(name[1])][1] for f in steps]))
+        torch.testing.assert_close(resumed.rows(name, ids), ebc.rows(name, ids), atol=0, rtol=0)
+    # Without the event times of the window, the floors after the cut would differ.
+    state["_extra_state"].pop("expiry_clock")
+    with pytest.raises(KeyError, match="ttl in data time but the checkpoint holds no event times"):
+        collection(tmp_path, "c", expiry=Expiry(ttl="2h")).load_state_dict(state)
+
+
+def test_a_ttl_in_data_time_without_event_times_names_the_table(tmp_path):
+    ebc = collection(tmp_path, "n", expiry={"t1": Expiry(ttl="7d")})
+    with pytest.raises(ValueError, match="table 't1': Expiry.ttl '7d' counts in data time, but this training batch "
+                                         "carries no event time"):
+        train(ebc, stream(steps=1))
+    with pytest.raises(ValueError, match="neither a whole number of training steps nor a duration"):
+        Expiry(ttl="7 weeks")
+    assert Expiry(ttl="1.5h").ttl_seconds == 5400 and Expiry(ttl=3).ttl_steps == 3
 
 
 def test_max_rows_keeps_the_most_recently_looked_up_rows(tmp_path):
