@@ -15,11 +15,20 @@ from typing import Any
 import torch
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import BasePredictionWriter, Callback, ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback, ModelCheckpoint, ProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
-from ctr_lightning.callbacks import ScoreWriter, StreamProgressBar
+from ctr_lightning.callbacks import (
+    BadLineMonitor,
+    ExamplesPerSecond,
+    HyperparameterTable,
+    RunSummary,
+    ScoreWriter,
+    ShortRunLogging,
+    StreamProgressBar,
+)
 from ctr_lightning.datamodules import (
     DriftingLogDataModule,
     AvazuDataModule,
@@ -156,23 +165,65 @@ class CTRLightningCLI(LightningCLI):
                 cause = cause.__cause__
             if cause is None or _from_jsonargparse(cause):
                 raise
+            if isinstance(cause, ValueError):  # a setting refused by name: the reason alone
+                raise SettingRefusedError(str(cause)) from cause
             raise cause from None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        root = config.get("default_root_dir") or "."
+        if self.subcommand == "predict":
+            # predict logs nothing: no run directory for it (its config goes beside the scores)
+            config["logger"] = False
+        elif config.get("logger") is None:
+            # No logger named (fit without a config): the demo config's, not ./lightning_logs.
+            config["logger"] = TensorBoardLogger(str(Path(root) / "runs"), name=_run_name(self.datamodule),
+                                                 default_hp_metric=False)
+        if self.subcommand == "fit" and config.get("callbacks") is None:
+            # No callbacks named: the demo config's, so a run ends with a checkpoint and a summary.
+            config["callbacks"] = [ModelCheckpoint(save_last=True), ExamplesPerSecond(window=20), BadLineMonitor(),
+                                   RunSummary()]
         configured = config.get("callbacks") or []
         configured = configured if isinstance(configured, list) else [configured]  # one callback may come bare
         given = list(callbacks) + [c for c in configured if isinstance(c, Callback)]
         extra: list[Callback] = []
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             extra.append(StreamProgressBar())
+        if self.subcommand == "fit":
+            extra += [c() for c in (ShortRunLogging, HyperparameterTable) if not any(isinstance(g, c) for g in given)]
         if self.subcommand == "predict" and not any(isinstance(c, BasePredictionWriter) for c in given):
-            root = config.get("default_root_dir") or "."
             extra.append(ScoreWriter(output_dir=str(Path(root) / "predictions")))
         return super()._instantiate_trainer(config, [*callbacks, *extra])
 
 
+class _SaveRunConfig(SaveConfigCallback):
+    """LightningCLI's config.yaml in the run's log directory; for predict, which has none,
+    beside the scores (the ScoreWriter's output directory)."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "predict":
+            super().setup(trainer, pl_module, stage)
+            return
+        writer = next((c for c in trainer.callbacks if isinstance(c, ScoreWriter)), None)
+        if writer is not None and trainer.is_global_zero and not self.already_saved:
+            writer.output_dir.mkdir(parents=True, exist_ok=True)
+            self.parser.save(self.config, str(writer.output_dir / self.config_filename), skip_none=False,
+                             overwrite=True, multifile=self.multifile)
+        self.already_saved = True
+
+
+def _run_name(datamodule: Any) -> str:
+    """A run directory's name for a DataModule: ``CriteoDataModule`` -> ``criteo``."""
+    name = re.sub(r"DataModule$", "", type(datamodule).__name__) or "run"
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
 class CheckpointMismatchError(ValueError):
     """``--ckpt_path`` holds another model class than the one the run names."""
+
+
+class SettingRefusedError(ValueError):
+    """A model or DataModule refused its settings while being built (a missing column, a
+    bad table setting, a full SSD directory): the command prints the reason, no trace."""
 
 
 def continue_last_run(config: Any) -> None:
@@ -372,7 +423,8 @@ def _storage_args(args: list[str]) -> list[str]:
 def _names_data(args: list[str]) -> bool:
     """Whether a command line can name its data: a config, a --data option, or a help or
     print request (which needs none)."""
-    return any(a.startswith(("--config", "--data", "-h", "--help", "--print_config")) or a == "-c" for a in args)
+    return any(a.startswith(("--config", "--data", "-h", "--help", "--print_config")) or a == "-c"
+               or a.split("=", 1)[0].endswith(".help") for a in args)
 
 
 def main(args: list[str] | None = None) -> None:
@@ -404,18 +456,27 @@ def main(args: list[str] | None = None) -> None:
     logging.root.setLevel(logging.WARNING)
     if args is None:
         sys.argv[1:] = _storage_args(argv)  # LightningCLI warns when given args beside sys.argv
-    else:
-        args = _storage_args(list(args))
+    build_cli(args)
+
+
+def build_cli(args: list[str] | None, run: bool = True, cli_class: type[CTRLightningCLI] = CTRLightningCLI,
+              **kwargs: Any) -> CTRLightningCLI:
+    """The ``ctr-lightning`` LightningCLI on ``args`` (None: ``sys.argv``), run; with ``run``
+    False, the model and data built from the config, no subcommand (what ``plan`` reads).
+    A refused setting or a checkpoint of another model ends the command with its reason."""
     try:
-        CTRLightningCLI(
+        return cli_class(
             CTRModule,
             LightningDataModule,
             subclass_mode_model=True,
             subclass_mode_data=True,
+            save_config_callback=_SaveRunConfig if run else None,
             save_config_kwargs={"overwrite": True},
-            args=args,
+            args=args if args is None else _storage_args(list(args)),
+            run=run,
+            **kwargs,
         )
-    except CheckpointMismatchError as error:
+    except (CheckpointMismatchError, SettingRefusedError) as error:
         print(f"ctr-lightning: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
 

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import importlib
 import inspect
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,7 @@ def plan_for_config(config: Mapping[str, Any], machine: Machine, num_nodes: int 
     trainer = config.get("trainer") or {}
     _, model = model_from_config(config)
     storage = model.get("storage") if isinstance(model.get("storage"), Mapping) else {}
+    storage = storage.get("init_args") or {} if "class_path" in storage else storage  # a parsed config's spec
     devices = trainer.get("devices")
     accelerator = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu"}.get(str(trainer.get("accelerator", "auto")), "auto")
     # storage: a StorageConfig's ssd_dir, or AutoStorage's ssd_dirs and fractions.
@@ -130,17 +132,12 @@ def plan_for_config(config: Mapping[str, Any], machine: Machine, num_nodes: int 
         sharding=model.get("sharding", _default("sharding")),  # what fit would use
         **auto,
     )
-    notes = []
-    if storage and not {"ssd_dirs", "dram_fraction", "hbm_fraction", "reserve_bytes"} & set(storage):
-        notes.append("the config sets StorageConfig budgets by hand; this plan shows what storage: auto would "
-                     "choose instead")
     access: dict[str, TableAccess] | None = None
     if profile_batches:
         datamodule.setup("fit")
         access = measure_access(datamodule.train_dataloader(), {t.name: list(t.feature_names) for t in shape.tables},
                                 {t.name: t.num_embeddings for t in shape.tables}, profile_batches)
-    result = plan(machine, shape, access, options)
-    return dataclasses.replace(result, notes=(*result.notes, *notes))
+    return plan(machine, shape, access, options)
 
 
 def _default(name: str) -> Any:
@@ -150,14 +147,16 @@ def _default(name: str) -> Any:
 
 
 def plan_main(argv: list[str] | None = None) -> None:
-    """``ctr-lightning plan --config X.yaml [--topology FILE.json] [--num_nodes N]``."""
+    """``ctr-lightning plan --config X.yaml [fit's --model.* / --data.* / --trainer.* options]
+    [--topology FILE.json] [--num_nodes N] ...``."""
     parser = argparse.ArgumentParser(
         prog="ctr-lightning plan",
-        description="Print the machine's topology and the placement plan for a fit config: per table its "
-                    "sharding and HBM / DRAM / SSD split, per rank its GPU, CPUs, NIC and SSD directory, the "
-                    "bytes a step on each link and the estimated step time.")
-    parser.add_argument("--config", required=True, action="append",
-                        help="a ctr-lightning fit config (YAML); several are merged in order, as fit does")
+        description="Print the machine's topology and the tiers `ctr-lightning fit` would set up with the same "
+                    "config and options: per table its HBM / DRAM / SSD split; under storage: auto the placement "
+                    "plan fit makes (per rank its GPU, CPUs, NIC and SSD directory, the bytes a step on each link "
+                    "and the estimated step time).",
+        epilog="Every other option is fit's and means what it means there: --config (several merge in order), "
+               "--model.*, --data.*, --trainer.*.")
     parser.add_argument("--topology", help="a machine description (JSON from `ctr-lightning topology --save`) "
                                            "to plan for instead of this machine")
     parser.add_argument("--num_nodes", type=int, help="nodes like it (default: the config's trainer.num_nodes)")
@@ -167,17 +166,86 @@ def plan_main(argv: list[str] | None = None) -> None:
                              "assume Zipf 1.05 over num_embeddings)")
     parser.add_argument("--rows_per_table", type=int, help="expected rows per table (default: num_embeddings)")
     parser.add_argument("--ssd_dir", action="append", default=[], help="an SSD directory (repeat for several)")
-    args = parser.parse_args(argv)
-    config: dict[str, Any] = {}
-    for path in args.config:
-        config = _merged(config, yaml.safe_load(Path(path).read_text()) or {})
+    parser.add_argument("--json", help="also write the tiers per table (and the plan) as JSON to this file")
+    args, fit_args = parser.parse_known_args(argv)
+    if not any(a.startswith(("--config", "--model", "--data")) or a == "-c" for a in fit_args):
+        parser.error("give the config fit would run: --config X.yaml (and any of fit's options)")
+    config, model = fit_setup(fit_args)
+    name = " + ".join(_config_names(fit_args)) or "the command line's config"
     machine = Machine.load(args.topology) if args.topology else discover()
+    collections = _collections(model)
+    tiers = {n: t for c in collections if c.auto_storage is None for n, t in c.table_tiers().items()}
+    out: dict[str, Any] = {"tiers": tiers}
+    text = [describe_machine(machine), ""]
+    auto = any(c.auto_storage is not None for c in collections)
     try:
         result = plan_for_config(config, machine, args.num_nodes, args.ranks_per_node, args.profile_batches,
                                  args.rows_per_table, tuple(args.ssd_dir))
     except PlanError as err:
-        raise SystemExit(f"ctr-lightning plan: {' + '.join(args.config)} does not fit: {err}") from None
-    print(result.to_text(describe_machine(machine) + "\n"))
+        if auto:  # fit plans the same way at its start, and stops there
+            raise SystemExit(f"ctr-lightning plan: {name} does not fit: {err}") from None
+        result, refusal = None, str(err)
+    if auto:
+        text.append(result.to_text(""))
+        out["plan"] = result.to_text("")
+    else:
+        rows = args.rows_per_table or int(getattr(model, "hparams", {}).get("num_embeddings") or 0) or None
+        text.append(describe_tiers(tiers, rows, machine, name))
+        text.append("")
+        text.append("With storage: auto, fit would plan instead:" if result is not None else
+                    f"With storage: auto, fit would refuse this machine: {refusal}")
+        if result is not None:
+            text.append(result.to_text(""))
+    print("\n".join(text))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
+
+def fit_setup(fit_args: list[str]) -> tuple[dict[str, Any], Any]:
+    """What ``ctr-lightning fit`` with these options builds: its parsed config (model, data and
+    trainer sections, overrides applied) and the model; a setting fit refuses ends the command."""
+    from ctr_lightning.cli import CTRLightningCLI, build_cli
+
+    class _PlanCLI(CTRLightningCLI):
+        def instantiate_trainer(self, **kwargs: Any) -> Any:
+            return None  # nothing runs: the model's tables and the data's shape are what plan reads
+
+    cli = build_cli(fit_args, run=False, cli_class=_PlanCLI, parser_kwargs={"prog": "ctr-lightning plan"})
+    config = cli.config.as_dict()
+    return {key: config.get(key) for key in ("model", "data", "trainer")}, cli.model
+
+
+def describe_tiers(tiers: Mapping[str, Mapping[str, Any]], rows: int | None, machine: Machine, name: str) -> str:
+    """The tiers fit sets up as the config gives them, per table, and the memory they take at
+    ``rows`` rows a table against this machine's."""
+    lines = [f"Tiers fit sets up ({name}: storage as configured; rows a tier holds, 'all': every row the table gets)",
+             f"{'table':<12}{'device tier':>14}{'host tier':>14}  ssd_dir"]
+    memory = 0
+    for table, t in tiers.items():
+        device = "all" if t["device_rows"] is None else f"{t['device_rows']:,}"
+        host = "all" if t["host_rows"] is None else f"{t['host_rows']:,}"
+        lines.append(f"{table:<12}{device:>14}{host:>14}  {t['ssd_dir'] or '-'}")
+        if rows:
+            held = rows if t["device_rows"] is None else min(rows, t["device_rows"])
+            held += 0 if t["device_rows"] is None else (rows - held if t["host_rows"] is None
+                                                       else min(rows - held, t["host_rows"]))
+            memory += held * t["row_bytes"]
+    if rows:
+        free = machine.free_memory_bytes
+        lines.append(f"at {rows:,} rows a table the memory tiers hold {_gib(memory)} (this machine has {_gib(free)} "
+                     f"free{'' if free is None or memory <= free else ': more than that, so fit would be killed as the rows arrive'})")
+    return "\n".join(lines)
+
+
+def _collections(model: Any) -> list[Any]:
+    from ctr_lightning.embedding.tiered import TieredEmbeddingBagCollection
+
+    return [m for m in model.modules() if isinstance(m, TieredEmbeddingBagCollection)]
+
+
+def _config_names(args: list[str]) -> list[str]:
+    return [args[i + 1] if a in ("--config", "-c") else a.split("=", 1)[1]
+            for i, a in enumerate(args) if a in ("--config", "-c") and i + 1 < len(args) or a.startswith("--config=")]
 
 
 def topology_main(argv: list[str] | None = None) -> None:
@@ -191,14 +259,6 @@ def topology_main(argv: list[str] | None = None) -> None:
     if args.save:
         machine.save(args.save)
         print(f"saved to {args.save}")
-
-
-def _merged(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in update.items():
-        out[key] = _merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) \
-            else value
-    return out
 
 
 def _gib(n: int | None) -> str:

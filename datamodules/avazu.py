@@ -134,9 +134,12 @@ class AvazuFormat:
 class AvazuDataModule(LogDataModule):
     """Streams Avazu CTR logs (CSV with header; ``.gz`` too; local or fsspec URLs).
 
-    Arguments as :class:`LogDataModule`, plus ``block_size``: bytes parsed at a time, and
-    ``group_column``: a column (e.g. ``"device_ip"``) whose values group the examples for
-    GAUC (``val/gauc``).
+    Arguments as :class:`LogDataModule`, plus:
+
+    Args:
+        block_size: bytes parsed at a time.
+        group_column: a column (e.g. ``"device_ip"``) whose values group the examples for
+            GAUC (``val/gauc``).
 
     Example::
 

@@ -19,10 +19,18 @@ class DriftingLogDataModule(CriteoDataModule):
 
     Args:
         data_dir: where the partitions go (git-ignored ``data/`` by default).
-        days, hours_per_day, rows_per_hour: the log's length and size.
-        new_id_share, popularity_decay, drift_share, cohort_size: see :class:`DriftingLog`.
+        days: days of the log.
+        hours_per_day: hourly partitions a day (1 to 24).
+        rows_per_hour: examples in each hour's file.
+        new_id_share: share of each day's ids never seen before.
+        popularity_decay: the factor an id cohort's popularity keeps from one day to the next.
+        drift_share: share of the ids that take a new click rate each day.
+        cohort_size: ids born together (one cohort a day ages as one).
         seed: the planted world.
-        batch_size, num_workers, poll_seconds, idle_timeout: as :class:`CriteoDataModule`.
+        batch_size: examples per batch.
+        num_workers: DataLoader worker processes per rank.
+        poll_seconds: how often follow mode looks for the next hour.
+        idle_timeout: seconds without a new hour after which the run ends.
 
     Example::
 

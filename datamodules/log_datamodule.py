@@ -54,8 +54,14 @@ class LogDataModule(pl.LightningDataModule):
             appears. Checkpoints hold the slices taken and the position in the current
             one. Needs ``Trainer(reload_dataloaders_every_n_epochs=1)``; ``val_paths``
             optional (a fixed set); pair it with the ``ProgressiveValidation`` callback.
-        poll_seconds, idle_timeout, stop_file, ready: of ``follow`` (``ready``: ``"auto"``,
-            ``"marker"`` or ``"stable"``).
+        poll_seconds: in ``follow`` mode, how often the log is looked at for a new slice.
+        idle_timeout: in ``follow`` mode, seconds without a new complete slice after which
+            the run ends (None: wait for ever).
+        stop_file: in ``follow`` mode, a path whose appearance ends the run at the next
+            slice boundary.
+        ready: in ``follow`` mode, when a slice counts as complete: ``"marker"`` (a
+            ``_SUCCESS`` file), ``"stable"`` (sizes unchanged over two polls) or ``"auto"``
+            (a marker where the log has them, else stable sizes).
         partition_time: each training record's event time (``Batch.event_time``, what an
             ``Expiry(ttl="7d")`` counts in) is its file's Hive partition time: a date
             (``dt=``, ``date=``, ``day=`` or ``ds=``) and an optional ``hour=``. A training
@@ -65,6 +71,7 @@ class LogDataModule(pl.LightningDataModule):
         shuffle_shards: deal the pieces of the data to the ranks in another order every
             epoch (seeded by ``shuffle_seed`` and the epoch), so no rank reads the same
             piece every epoch.
+        shuffle_seed: the seed of ``shuffle_shards``' order.
         index_dir: where the files' record counts are cached (default
             ``$CTR_LIGHTNING_CACHE/row_index``, ``~/.cache/ctr-lightning/row_index``).
 

@@ -77,7 +77,8 @@ class ParquetFormat:
         event_time_column: str | None = None,
     ) -> None:
         if not categorical_columns and not multi_hot_columns:
-            raise ValueError("ParquetFormat needs at least one categorical or multi-hot column")
+            raise ValueError("ParquetDataModule needs the columns whose ids it embeds: give categorical_columns "
+                             "(one value a row) or multi_hot_columns (a list a row), or both")
         self.label_column = label_column
         self.dense_columns = list(dense_columns)
         self.categorical_columns = list(categorical_columns)
@@ -165,7 +166,9 @@ class ParquetFormat:
 
 
 class ParquetDataModule(LogDataModule):
-    """Streams Parquet logs with a schema you name (local files or fsspec URLs).
+    """Streams Parquet logs with a schema you name (local files or fsspec URLs). Other
+    arguments as :class:`LogDataModule`; row groups, not byte ranges, are what (rank,
+    worker) shards divide.
 
     Args:
         label_column: 0/1 clicks.
@@ -177,8 +180,6 @@ class ParquetDataModule(LogDataModule):
         event_time_column: each row's event time, integer POSIX seconds or a timestamp,
             read into ``Batch.event_time`` (what ``Expiry(ttl="7d")`` counts in); a row
             without one is a bad row.
-        Other arguments as :class:`LogDataModule`; row groups, not byte ranges, are what
-        (rank, worker) shards divide.
 
     Example::
 

@@ -97,11 +97,13 @@ class SyntheticStreamDataModule(pl.LightningDataModule):
     """Train and validation streams of ever-growing tables (see :mod:`synthetic_stream`).
 
     Args:
-        num_sparse / num_dense: features, as the Criteo layout's 26 and 13 by default.
+        num_sparse: categorical features (26, as the Criteo layout's, by default).
+        num_dense: continuous features (13 by default).
         batch_size: examples per batch (per rank).
         train_batches: batches an epoch, per rank.
         val_batches: batches of the validation stream (its own new ids).
-        head_size: popular ids per feature; ranks follow a Zipf law of ``zipf_exponent``.
+        head_size: popular ids per feature; their ranks follow a Zipf law.
+        zipf_exponent: the exponent of that Zipf law (larger: a more skewed head).
         new_id_fraction: share of lookups that are never-seen ids.
         seed: the stream; the same seed gives the same stream.
         num_workers: DataLoader workers generating batches.

@@ -69,9 +69,11 @@ def test_plan_prints_the_placement_of_a_config(tmp_path, in_process, capsys):
                 "--ssd_dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert "estimated step" in out and "t_C26" in out and str(tmp_path) in out
-    assert "StorageConfig budgets by hand" in out  # out_of_core.yaml sets device_bytes itself
-    row = next(line for line in out.splitlines() if line.startswith("t_C1 "))
-    assert int(row.split()[-3].replace(",", "")) > 0  # rows on SSD: 52M rows of 768 B do not fit in DRAM
+    # out_of_core.yaml sets its budgets itself: what fit sets up, then what storage auto would plan.
+    configured, planned = [line for line in out.splitlines() if line.startswith("t_C1 ")]
+    assert configured.split()[1:] == ["104,166", "0", "runs/out_of_core_ssd"]  # 80 MB of 768 B rows (Adam)
+    assert "With storage: auto, fit would plan instead:" in out
+    assert int(planned.split()[-3].replace(",", "")) > 0  # rows on SSD: 52M rows of 768 B do not fit in DRAM
 
 
 def test_plan_reads_auto_storage_of_a_config(tmp_path, in_process, capsys):
@@ -93,13 +95,26 @@ def test_plan_reads_auto_storage_of_a_config(tmp_path, in_process, capsys):
         in_process(args)
 
 
-def test_plan_for_recorded_cluster_and_refusal(in_process, capsys):
+def auto_config(tmp_path):
+    path = tmp_path / "auto.yaml"
+    path.write_text("model:\n  storage: auto\n")
+    return path
+
+
+def test_plan_for_recorded_cluster_and_refusal(tmp_path, in_process, capsys):
     in_process(["plan", "--config", "configs/multi_node.yaml", "--topology", "tests/topology/machines/dgx_a100.json"])
     out = capsys.readouterr().out
     assert "2 node(s) x 8 rank(s) (gpu)" in out and "mlx5_9" in out and "inter-node" in out
-    with pytest.raises(SystemExit, match=r"demo.yaml does not fit: rank 0: its tables hold"):
-        in_process(["plan", "--config", "configs/demo.yaml", "--topology", "tests/topology/machines/vm_1socket.json",
-                    "--rows_per_table", "10000000000"])
+    # demo.yaml holds every row in memory: fit does not refuse it, and neither does plan; it
+    # says that so many rows would not fit, and that storage auto would refuse the machine.
+    in_process(["plan", "--config", "configs/demo.yaml", "--topology", "tests/topology/machines/vm_1socket.json",
+                "--rows_per_table", "10000000000"])
+    out = capsys.readouterr().out
+    assert "so fit would be killed as the rows arrive" in out
+    assert "With storage: auto, fit would refuse this machine: rank 0: its tables hold" in out
+    with pytest.raises(SystemExit, match=r"auto.yaml does not fit: rank 0: its tables hold"):
+        in_process(["plan", "--config", "configs/demo.yaml", "--config", str(auto_config(tmp_path)),
+                    "--topology", "tests/topology/machines/vm_1socket.json", "--rows_per_table", "10000000000"])
 
 
 def test_a_whole_storage_on_the_command_line_replaces_the_configs(tmp_path, in_process, capsys):
@@ -136,3 +151,24 @@ def test_admission_and_expiry_are_set_on_the_command_line(in_process, capsys):
     model = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
     assert model["admission"]["admit_after"] == 2
     assert model["expiry"] == {"ttl": 50000, "max_rows": 1000000}
+
+
+HELP_CLASSES = [("model", m) for m in ("DLRMModule", "DCNv2Module", "DeepFMModule", "WideDeepModule")] + [
+    ("data", d) for d in ("CriteoDataModule", "SyntheticCriteoDataModule", "AvazuDataModule", "ParquetDataModule",
+                          "SyntheticStreamDataModule", "DriftingLogDataModule")]
+
+
+@pytest.mark.parametrize("group,name", HELP_CLASSES)
+def test_help_of_a_class_describes_every_argument_from_its_docstring(in_process, capsys, group, name):
+    import re
+
+    with pytest.raises(SystemExit) as exit:
+        in_process(["fit", f"--{group}.help", name])
+    assert exit.value.code == 0
+    text = capsys.readouterr().out.split("Help for", 1)[1]
+    # Each option (its metavar, an alias), then its help up to "(type: ...)": the docstring's words.
+    entries = re.findall(rf"^  --{group}\.(\w+)(?: (?:[A-Z_]+|\{{[^}}]*\}}))?(?:, --{group}\.\w+\+(?: [A-Z_]+)?)?(.*?)\(type:", text,
+                         flags=re.MULTILINE | re.DOTALL)
+    assert len(entries) > 3
+    undescribed = [option for option, described in entries if not described.strip()]
+    assert not undescribed, f"{name}: no description for {undescribed}"

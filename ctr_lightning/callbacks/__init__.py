@@ -11,7 +11,9 @@ from ctr_lightning.callbacks.serving_exports import ServingExport
 from ctr_lightning.callbacks.storage_monitor import StorageMonitor
 from ctr_lightning.callbacks.table_snapshots import TableSnapshots, table_snapshots_by_default
 from ctr_lightning.callbacks.examples_per_second import ExamplesPerSecond
+from ctr_lightning.callbacks.hyperparameter_table import HyperparameterTable
+from ctr_lightning.callbacks.short_run_logging import ShortRunLogging
 
-__all__ = ["AutoPlacement", "BadLineMonitor", "ExamplesPerSecond", "ProgressiveValidation", "RunSummary", "ScoreWriter", "ServingExport", "StorageMonitor",
-           "StreamProgressBar", "TableSnapshots", "WorkingSetPrefetch", "auto_placement_by_default",
+__all__ = ["AutoPlacement", "BadLineMonitor", "ExamplesPerSecond", "HyperparameterTable", "ProgressiveValidation",
+           "RunSummary", "ScoreWriter", "ServingExport", "ShortRunLogging", "StorageMonitor", "StreamProgressBar", "TableSnapshots", "WorkingSetPrefetch", "auto_placement_by_default",
            "table_snapshots_by_default"]

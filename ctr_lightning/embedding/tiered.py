@@ -245,6 +245,30 @@ class TieredEmbeddingBagCollection(nn.Module):
             raise
         self._lifecycle.restore(self._engine)
 
+    def table_tiers(self) -> dict[str, dict[str, Any]]:
+        """Per table, the tiers it is set up with: ``device_rows`` and ``host_rows`` (the
+        tiers' capacities in rows; None: every row the table gets), ``ssd_dir`` (None: no
+        SSD tier) and ``row_bytes`` (a row with its optimizer state). Under storage auto, the
+        planned tiers once planned (:meth:`plan_placement`); before that an error.
+
+        Example::
+
+            ebc.table_tiers()["user"]   # {"device_rows": 100000, "host_rows": 0, "ssd_dir": "/nvme/r", ...}
+        """
+        if self._auto_storage is not None and self.placement is None:
+            raise RuntimeError(f"{type(self).__name__}: storage 'auto' is planned at the start of fit "
+                               f"(plan_placement); its tiers are not known yet")
+        out = {}
+        for table in self._tables:
+            storage = self._setup.storage[table.name]
+            row_bytes = 4 * self._setup.row_width(table.embedding_dim, [table.name])
+            device = storage.device_capacity(row_bytes)
+            # A host tier exists only below a bounded device tier (see has_host_tier).
+            host = storage.host_capacity(row_bytes) if device is not None and storage.host_capacity(row_bytes) != 0 else 0
+            out[table.name] = {"device_rows": device, "host_rows": host, "ssd_dir": storage.ssd_dir,
+                               "row_bytes": row_bytes}
+        return out
+
     @property
     def auto_storage(self) -> AutoStorage | None:
         """The :class:`AutoStorage` the tiers are planned with, or None (set by hand)."""

@@ -56,16 +56,18 @@ class CTRModule(pl.LightningModule):
         seed: initial table weights.
         sharding: how the tables split over ranks in a distributed run (``"row_wise"``,
             ``"table_wise"``, ``"data_parallel"``, ``"auto"``); see :class:`TieredEmbeddingBagCollection`.
-        sparse_sync, sync_every: ``"step"`` (pooled rows travel every step) or ``"k_step"``
-            (local replicas, deltas averaged by the owners every ``sync_every`` steps; default: the
-            k of a ``KStepAdamStrategy``, else 16).
+        sparse_sync: ``"step"`` (pooled rows travel every step) or ``"k_step"`` (local
+            replicas, deltas averaged by the owners every ``sync_every`` steps).
+        sync_every: the steps between two merges under ``"k_step"`` (default: the k of a
+            ``KStepAdamStrategy``, else 16).
         sync_state_dtype: the dtype Adam's moments of rows travel in under ``"k_step"``
             (``"bfloat16"``, or ``"float32"`` for an exact average).
         admission: which new ids of every table get a row (:class:`Admission`: from the
             N-th sighting, ``admit_after``, or with a ``probability``); default every id.
             Ids not admitted read zeros and are not trained.
         expiry: which stored rows of every table go (:class:`Expiry`: not looked up in
-            ``ttl`` training steps, or the least recent above ``max_rows``); default none.
+            ``ttl`` training steps or a duration of data time such as ``7d``, or the least
+            recent above ``max_rows``); default none.
 
     Example::
 

@@ -30,7 +30,8 @@ class DCNv2Module(CTRModule):
         low_rank: rank of the cross layers' weight (None: full rank).
         structure: ``"parallel"``, ``"stacked"`` or ``"crossnet_only"``.
         deep_layer_sizes: the deep MLP's hidden layers.
-        dropout, batch_norm: of the deep MLP's hidden layers.
+        dropout: dropout probability after each of the deep MLP's hidden layers (0: none).
+        batch_norm: batch normalization in the deep MLP's hidden layers.
         dense_features: ``"vectors"`` (continuous features as learned vectors times their
             value, as FuxiCTR) or ``"raw"`` (their values concatenated to the deep input,
             as DeepCTR); see :class:`~ctr_lightning.models.layers.FeatureInputs`.

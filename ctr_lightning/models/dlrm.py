@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,12 +38,17 @@ class DLRMModule(CTRModule):
         if list(over_arch_layer_sizes)[-1:] != [1]:
             raise ValueError(f"over_arch_layer_sizes must end in 1 (one logit), got {list(over_arch_layer_sizes)}")
         super().__init__(**kwargs)
-        self.dlrm = DLRM(
-            embedding_bag_collection=self.embeddings,
-            dense_in_features=self.num_dense_features,
-            dense_arch_layer_sizes=[*dense_arch_layer_sizes, self.embedding_dim],
-            over_arch_layer_sizes=list(over_arch_layer_sizes),
-        )
+        with warnings.catch_warnings():
+            # A log with no dense column: the bottom MLP's first layer has no inputs, so its
+            # output is a learned vector (its biases) that the dot interaction pairs with
+            # every feature. torch warns that initializing the empty weight does nothing.
+            warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
+            self.dlrm = DLRM(
+                embedding_bag_collection=self.embeddings,
+                dense_in_features=self.num_dense_features,
+                dense_arch_layer_sizes=[*dense_arch_layer_sizes, self.embedding_dim],
+                over_arch_layer_sizes=list(over_arch_layer_sizes),
+            )
 
     def forward(self, batch: Batch) -> torch.Tensor:
         # torchrec's DLRM.forward, but the pooled rows are viewed as [B, F, D] where its

@@ -243,3 +243,19 @@ def test_dlrm_forward_equals_torchrecs_dlrm_on_the_same_tables():
     batch = multi_hot_batch(6)
     with torch.no_grad():
         torch.testing.assert_close(model(batch), model.dlrm(batch.dense, batch.sparse).squeeze(-1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_class", MODELS, ids=lambda c: c.__name__)
+def test_every_model_learns_a_log_with_no_dense_column_without_warnings(model_class):
+    import warnings
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (3 * 64,), generator=torch.Generator().manual_seed(2))
+    labels = (ids[:64] < 25).float()  # feature a's id alone decides
+    batch = Batch(dense=torch.zeros(64, 0), labels=labels, sparse=KeyedJaggedTensor(
+        keys=FEATURES, values=ids, lengths=torch.ones(3 * 64, dtype=torch.int32)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails: a torch one on zero-element tensors did
+        model = build(model_class, num_dense_features=0, sparse_learning_rate=0.05)
+        losses = train_steps(model, batch, 20)
+    assert losses[-1] < losses[0]
