@@ -1,9 +1,10 @@
-"""The Avazu CTR layout: a CSV with a header ``id,click,hour,C1,banner_pos,...,C21``."""
+"""The Avazu CTR layout: a CSV ``id,click,hour,C1,banner_pos,...,C21``, with its header line or
+without, and its test layout without ``click`` (scored, not trained on)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal
 
 import numba
 import numpy as np
@@ -11,18 +12,15 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from ctr_lightning.datamodules import field_decoders as fd
+from ctr_lightning.datamodules.avazu_schema import AVAZU_COLUMNS, AVAZU_HEADERS, AVAZU_TEST_COLUMNS
 from ctr_lightning.datamodules.bad_lines import BadLineError
 from ctr_lightning.datamodules.format_hints import format_hint
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
-from ctr_lightning.datamodules.row_index import FileIndex
-from ctr_lightning.datamodules.sources import FileSlice, read_csv_blocks
+from ctr_lightning.datamodules.row_index import FileIndex, HeaderIf
+from ctr_lightning.datamodules.sources import FileSlice, read_csv_blocks, read_head
 from ctr_lightning.datamodules.log_format import DecodedRows
 
-AVAZU_COLUMNS = (
-    "id", "click", "hour", "C1", "banner_pos", "site_id", "site_domain", "site_category", "app_id",
-    "app_domain", "app_category", "device_id", "device_ip", "device_model", "device_type",
-    "device_conn_type", "C14", "C15", "C16", "C17", "C18", "C19", "C20", "C21",
-)
+AvazuHeader = bool | Literal["auto"]
 _CATEGORICAL = AVAZU_COLUMNS[3:]
 AVAZU_SPARSE = ("hour_of_day", "weekday", *_CATEGORICAL)
 
@@ -69,82 +67,134 @@ class AvazuFormat:
     ``group_column`` (for example ``device_ip``, Avazu's nearest to a user id) is also read
     as the batches' grouping column, for GAUC.
 
+    ``header`` says whether a file's first line is the header: ``"auto"`` (default) takes
+    it for one where it is exactly the Avazu header (or that of Avazu's test file) and
+    reads every line of any other file as a record, in the standard column order;
+    ``True`` requires the header, ``False`` reads every line as a record. Each file's
+    columns are decided from its first line: 24 (or the training header) with ``click``;
+    23 (or the test header) without, as Avazu's test file: its rows are scored with NaN
+    labels by predict and refused by training.
+
     Example::
 
-        fmt = AvazuFormat()
-        rows = fmt.decode(next(fmt.read(FileSlice("train.csv"), on_invalid_row=lambda r: "skip")))
+        fmt = AvazuFormat(header="auto")
+        rows = fmt.decode(next(fmt.read(FileSlice("test.csv", header_lines=1), on_invalid_row=lambda r: "skip")))
     """
 
-    num_fields = len(AVAZU_COLUMNS)
+    num_fields = len(AVAZU_COLUMNS)  # of a labeled file; fields_in(path) is each file's
     delimiter = b","
     line_based = True
-    header_lines = 1
     sparse_feature_names = AVAZU_SPARSE
     num_dense_features = 0
 
-    def __init__(self, block_size: int = 1 << 19, group_column: str | None = None) -> None:
+    def __init__(self, block_size: int = 1 << 19, group_column: str | None = None,
+                 header: AvazuHeader = "auto") -> None:
         if group_column is not None and group_column not in AVAZU_COLUMNS:
             raise ValueError(f"group_column {group_column!r} is not an Avazu column; they are {list(AVAZU_COLUMNS)}")
+        if header not in (True, False, "auto"):
+            raise ValueError(f"header must be True, False or 'auto', got {header!r}")
         self.block_size = block_size
         self.group_column = group_column
+        self.header = header
+        # The row index counts records after this many lines of each file, decided on its head.
+        self.header_lines = HeaderIf(tuple(AVAZU_HEADERS)) if header == "auto" else int(header)
         self._convert = pacsv.ConvertOptions(column_types={c: pa.binary() for c in AVAZU_COLUMNS},
                                              strings_can_be_null=False)
         self._salts = [fd.feature_salt(f) for f in range(len(AVAZU_SPARSE))]
+        self._columns: dict[str, tuple[str, ...]] = {}  # each file's, from check_file
+        self.unlabeled_reason: str | None = None  # why the file being read has no labels
 
     def check_file(self, index: FileIndex) -> None:
-        """The file's first line must be the Avazu header (checked once, when it is indexed)."""
-        if not index.head:
-            return  # an empty file: no record, nothing to read
-        header = index.head.split(b"\n", 1)[0].rstrip(b"\r").decode("utf-8", "replace")
-        if header.split(",") != list(AVAZU_COLUMNS):
+        """Note the file's columns from its first line, or refuse a file that is no Avazu
+        layout (checked once, when it is indexed, naming the reader that fits)."""
+        first = index.head.split(b"\n", 1)[0].rstrip(b"\r")
+        columns = _columns(first, index.header_lines) if index.head else AVAZU_COLUMNS  # empty: nothing to read
+        if isinstance(columns, str):
             hint = format_hint(index.head, type(self).__name__)
-            raise BadLineError(index.path, 1, "expected the Avazu header " + ",".join(AVAZU_COLUMNS)
-                               + (f" ({hint})" if hint else ""), header)
+            raise BadLineError(index.path, 1, columns + (f" ({hint})" if hint else ""),
+                               first.decode("utf-8", "replace"))
+        self._columns[index.path] = columns
+
+    def fields_in(self, path: str) -> int:
+        return len(self._file_columns(path))
+
+    def _file_columns(self, path: str) -> tuple[str, ...]:
+        if path not in self._columns:  # a file this format did not index (a FileSlice made by hand)
+            head = read_head(path)
+            header = self.header_lines if isinstance(self.header_lines, int) else self.header_lines(head)
+            self.check_file(FileIndex(path, 0, "text", header, head=head))
+        return self._columns[path]
 
     def read(self, fslice: FileSlice, on_invalid_row: Callable[[object], str]) -> Iterator[pa.RecordBatch]:
-        read = pacsv.ReadOptions(column_names=list(AVAZU_COLUMNS), block_size=self.block_size, use_threads=False)
+        columns = self._file_columns(fslice.path)
+        self.unlabeled_reason = (None if "click" in columns else
+                                 f"no click column (Avazu's test layout, {len(columns)} columns)")
+        read = pacsv.ReadOptions(column_names=list(columns), block_size=self.block_size, use_threads=False)
         parse = pacsv.ParseOptions(delimiter=",", quote_char=False, ignore_empty_lines=False,
                                    invalid_row_handler=on_invalid_row)
-        with fslice.open() as f:  # the records only: the header line is not part of any slice
+        with fslice.open() as f:  # the records only: a header line is not part of any slice
             yield from read_csv_blocks(f, read, parse, self._convert)
 
     def decode(self, batch: pa.RecordBatch) -> DecodedRows:
         n = batch.num_rows
-        labels, problems = fd.label_column(batch.column(1), "click")
+        if "click" in batch.schema.names:
+            labels, problems = fd.label_column(batch.column("click"), "click")
+        else:  # the test layout: scored, never trained on (the stream refuses NaN labels there)
+            labels, problems = np.full(n, np.nan, dtype=np.float32), []
         hour_of_day = np.empty(n, dtype=np.int64)
         weekday = np.empty(n, dtype=np.int64)
         bad = np.zeros(n, dtype=bool)
-        decode_hours(*fd.column_buffers(batch.column(2)), hour_of_day, weekday, bad)
+        decode_hours(*fd.column_buffers(batch.column("hour")), hour_of_day, weekday, bad)
         if bad.any():
             problems.append((bad, "hour is not YYMMDDHH"))
         ids = np.empty((len(AVAZU_SPARSE), n), dtype=np.int64)
         ids[0] = fd.hash_values(hour_of_day, self._salts[0])
         ids[1] = fd.hash_values(weekday, self._salts[1])
         for k, name in enumerate(_CATEGORICAL):
-            fd.hash_bytes_ids(*fd.column_buffers(batch.column(3 + k)), self._salts[2 + k], ids[2 + k])
+            fd.hash_bytes_ids(*fd.column_buffers(batch.column(name)), self._salts[2 + k], ids[2 + k])
         groups = None
         if self.group_column is not None:
             groups = np.empty(n, dtype=np.int64)
-            fd.hash_bytes_ids(*fd.column_buffers(batch.column(AVAZU_COLUMNS.index(self.group_column))),
-                              np.uint64(0), groups)
+            fd.hash_bytes_ids(*fd.column_buffers(batch.column(self.group_column)), np.uint64(0), groups)
         return DecodedRows(labels=labels, dense=np.empty((n, 0), dtype=np.float32), ids=ids.T, problems=problems,
                            groups=groups)
 
 
 class AvazuDataModule(LogDataModule):
-    """Streams Avazu CTR logs (CSV with header; ``.gz`` too; local or fsspec URLs).
+    """Streams Avazu CTR logs (CSV, with its header line or without; ``.gz`` too; local or
+    fsspec URLs).
 
-    Arguments as :class:`LogDataModule`, plus:
+    Arguments as :class:`LogDataModule`, plus the ones below. Avazu's test file, without
+    ``click`` (23 columns), is read as ``predict_paths`` with empty labels; training on it
+    is refused.
 
     Args:
         block_size: bytes parsed at a time.
         group_column: a column (e.g. ``"device_ip"``) whose values group the examples for
             GAUC (``val/gauc``).
+        header: ``"auto"`` (default: a first line that is the Avazu header is one; any other
+            file is read from its first line, in the standard column order), ``True`` (every
+            file has it) or ``False`` (none has).
 
     Example::
 
-        dm = AvazuDataModule(train_paths=["avazu/train.csv"], batch_size=4096, num_workers=2)
+        dm = AvazuDataModule(train_paths=["avazu/train.csv"], predict_paths=["avazu/test.csv"], batch_size=4096)
     """
 
-    def __init__(self, block_size: int = 1 << 19, group_column: str | None = None, **kwargs: Any) -> None:
-        super().__init__(AvazuFormat(block_size=block_size, group_column=group_column), **kwargs)
+    def __init__(self, block_size: int = 1 << 19, group_column: str | None = None, header: AvazuHeader = "auto",
+                 **kwargs: Any) -> None:
+        super().__init__(AvazuFormat(block_size=block_size, group_column=group_column, header=header), **kwargs)
+
+
+def _columns(first: bytes, header_lines: int) -> tuple[str, ...] | str:
+    """A file's columns from its first line, or why it is no Avazu file."""
+    if header_lines:
+        return AVAZU_HEADERS.get(first) or (f"expected the Avazu header {','.join(AVAZU_COLUMNS)} (or its test "
+                                            f"file's, without click)")
+    width = first.count(b",") + 1
+    for columns in (AVAZU_COLUMNS, AVAZU_TEST_COLUMNS):
+        if width == len(columns):
+            return columns
+    return (f"expected the Avazu header id,click,hour,...,C21 or a header-less Avazu line of {len(AVAZU_COLUMNS)} "
+            f"comma-separated fields ({len(AVAZU_TEST_COLUMNS)} without click, as in its test file); its first line "
+            f"has {width}")

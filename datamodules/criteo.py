@@ -1,4 +1,5 @@
-"""The Criteo raw layout (Kaggle and 1TB "day_N" files): ``label, I1..I13, C1..C26``."""
+"""The Criteo raw layout (Kaggle and 1TB "day_N" files): ``label, I1..I13, C1..C26``, and
+Kaggle's unlabeled test.txt (``I1..I13, C1..C26``), scored, not trained on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import numpy as np
 from ctr_lightning.datamodules.criteo_parser import ParsedBlock, parse_block, warm_up
 from ctr_lightning.datamodules.criteo_schema import DENSE_NAMES, NUM_FIELDS, SPARSE_NAMES
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
-from ctr_lightning.datamodules.sources import FileSlice, line_blocks
+from ctr_lightning.datamodules.row_index import FileIndex
+from ctr_lightning.datamodules.sources import FileSlice, line_blocks, read_head
 from ctr_lightning.datamodules.log_format import DecodedRows
 
 
@@ -22,6 +24,11 @@ class CriteoFormat:
     ``negative_counts="bad"`` makes a negative count a bad line instead of a 0. Lines
     are split and decoded in one compiled pass (:mod:`criteo_parser`).
 
+    A file whose first lines have mostly 39 fields (no label, as Kaggle's ``test.txt``) is
+    read as unlabeled: its labels are NaN, which predict scores and training refuses; its
+    lines of another width (40 included) are bad lines, as 39-field lines are in a labeled
+    file.
+
     Example::
 
         fmt = CriteoFormat()
@@ -29,7 +36,7 @@ class CriteoFormat:
             rows = fmt.decode(block)
     """
 
-    num_fields = NUM_FIELDS
+    num_fields = NUM_FIELDS  # of a labeled file; fields_in(path) is each file's
     delimiter = b"\t"
     line_based = True
     header_lines = 0
@@ -47,13 +54,33 @@ class CriteoFormat:
         # Indexed by ParsedBlock.bad_field: the first invalid field of a line.
         self._reasons = (["label is not 0 or 1"] + [f"{name} is not {count}" for name in DENSE_NAMES]
                          + [f"{name} is not 8 hex digits" for name in SPARSE_NAMES])
+        self._labeled: dict[str, bool] = {}  # each file's, from check_file
+        self.unlabeled_reason: str | None = None  # why the file being read has no labels
+
+    def check_file(self, index: FileIndex) -> None:
+        """Note whether the file is labeled, from the whole lines of its head (when it is
+        indexed): by their majority, so one damaged first line does not decide."""
+        lines = index.head.split(b"\n")[:-1] or [index.head]  # a first line longer than the head: its start
+        widths = [line.count(b"\t") + 1 for line in lines]
+        self._labeled[index.path] = widths.count(NUM_FIELDS - 1) <= widths.count(NUM_FIELDS)
+
+    def fields_in(self, path: str) -> int:
+        return NUM_FIELDS if self._is_labeled(path) else NUM_FIELDS - 1
+
+    def _is_labeled(self, path: str) -> bool:
+        if path not in self._labeled:  # a file this format did not index (a FileSlice made by hand)
+            self.check_file(FileIndex(path, 0, "text", head=read_head(path)))
+        return self._labeled[path]
 
     def read(self, fslice: FileSlice, on_invalid_row: Callable[[object], str]) -> Iterator[ParsedBlock]:
         """Blocks of parsed lines; each wrong-width line goes to ``on_invalid_row`` (an
         object with the line's ``text``, as pyarrow's handler gets) before its block."""
+        labeled = self._is_labeled(fslice.path)
+        self.unlabeled_reason = None if labeled else (f"{NUM_FIELDS - 1} tab-separated fields a line, no label "
+                                                      f"(as Kaggle's Criteo test.txt)")
         with fslice.open() as f:
             for data in line_blocks(f, self.block_size):
-                for block, invalid in parse_block(data, self.negative_is_bad):
+                for block, invalid in parse_block(data, self.negative_is_bad, labeled):
                     for text in invalid:
                         on_invalid_row(_InvalidRow(text.decode("utf-8", "replace")))
                     yield block
@@ -75,7 +102,9 @@ class _InvalidRow(NamedTuple):
 
 
 class CriteoDataModule(LogDataModule):
-    """Streams Criteo-layout logs (``.tsv``, ``.gz``, local or fsspec URLs).
+    """Streams Criteo-layout logs (``.tsv``, ``.gz``, local or fsspec URLs). A file of 39
+    fields a line, without the label (Kaggle's ``test.txt``), is scored as ``predict_paths``
+    with empty labels; training on it is refused.
 
     Arguments as :class:`LogDataModule`, plus:
 

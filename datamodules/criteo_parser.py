@@ -18,7 +18,7 @@ from ctr_lightning.datamodules.criteo_schema import NUM_DENSE, NUM_FIELDS, NUM_S
 from ctr_lightning.datamodules.field_decoders import _MASK63, MISSING_VALUE, count_value, hex8
 from ctr_lightning.hashing import feature_salt, splitmix64_one
 
-# The shortest line of the right width is its 39 tabs and a newline.
+# The shortest line of the right width is its tabs and a newline: 40 bytes, 39 unlabeled.
 _MIN_LINE = NUM_FIELDS
 _WIDTH_CAP = 1024  # wrong-width lines noted per call; a block with more takes more calls
 
@@ -34,7 +34,7 @@ class ParsedBlock:
     the parser hands their text to the reader's invalid-row handler.
     """
 
-    labels: np.ndarray  # [n] float32
+    labels: np.ndarray  # [n] float32, NaN in an unlabeled file
     dense: np.ndarray  # [n, 13] float32
     ids: np.ndarray  # [n, 26] int64 (a feature-major array's transpose)
     bad_field: np.ndarray  # [n] int8
@@ -52,8 +52,11 @@ def _field_end(data, i, stop):
 
 
 @numba.njit(cache=True, nogil=True)
-def parse_lines(data, pos, stop, salts, negative_is_bad, labels, dense, ids, bad_field, width_bad):
+def parse_lines(data, pos, stop, salts, negative_is_bad, first_field, labels, dense, ids, bad_field, width_bad):
     """Parse lines of ``data[pos:stop]`` until it ends or an output is full.
+
+    ``first_field`` is 0, or 1 for unlabeled lines (39 fields, as Kaggle's test.txt):
+    their first field is then I1, and ``labels`` are left as they came.
 
     Returns ``(next position, good-width lines written, wrong-width lines noted)``;
     ``width_bad[j] = (start, end)`` of each wrong-width line's text. Values follow the
@@ -67,7 +70,7 @@ def parse_lines(data, pos, stop, salts, negative_is_bad, labels, dense, ids, bad
     cap, wcap = len(labels), len(width_bad)
     while pos < stop and k < cap and nw < wcap:
         line_start = pos
-        field = 0
+        field = first_field
         first_bad = -1
         i = pos
         while True:
@@ -129,19 +132,24 @@ def parse_lines(data, pos, stop, salts, negative_is_bad, labels, dense, ids, bad
 _SALTS = np.array([feature_salt(f) for f in range(NUM_SPARSE)], dtype=np.uint64)
 
 
-def parse_block(data: np.ndarray, negative_is_bad: bool) -> Iterator[tuple[ParsedBlock, list[bytes]]]:
+def parse_block(data: np.ndarray, negative_is_bad: bool,
+                labeled: bool = True) -> Iterator[tuple[ParsedBlock, list[bytes]]]:
     """The parsed lines of ``data`` (whole lines; the last may lack its newline), with the
-    text of the wrong-width lines among them, in pieces of at most 1024 wrong-width lines."""
+    text of the wrong-width lines among them, in pieces of at most 1024 wrong-width lines.
+    Unlabeled: lines of 39 fields, without the label (NaN); 40-field lines are then the
+    wrong width."""
     pos, stop = 0, len(data)
     width_bad = np.empty((_WIDTH_CAP, 2), dtype=np.int64)
+    min_line = _MIN_LINE if labeled else _MIN_LINE - 1
     while pos < stop:
-        cap = (stop - pos) // _MIN_LINE + 1
-        labels = np.empty(cap, dtype=np.float32)
+        cap = (stop - pos) // min_line + 1
+        # Unlabeled lines have no label field to write: NaN from the start, at no cost per line.
+        labels = np.empty(cap, dtype=np.float32) if labeled else np.full(cap, np.nan, dtype=np.float32)
         dense = np.empty((cap, NUM_DENSE), dtype=np.float32)
         ids = np.empty((NUM_SPARSE, cap), dtype=np.int64)
         bad_field = np.empty(cap, dtype=np.int8)
-        pos, k, nw = parse_lines(data, pos, stop, _SALTS, negative_is_bad, labels, dense, ids, bad_field,
-                                 width_bad)
+        pos, k, nw = parse_lines(data, pos, stop, _SALTS, negative_is_bad, int(not labeled), labels, dense, ids,
+                                 bad_field, width_bad)
         texts = [data[s:e].tobytes() for s, e in width_bad[:nw]]
         yield ParsedBlock(labels[:k], dense[:k], ids[:, :k].T, bad_field[:k]), texts
 

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from ctr_lightning.datamodules.row_index import HeaderLines
 from ctr_lightning.datamodules.sources import FileSlice
 
 
@@ -87,7 +88,7 @@ class LogFormat(Protocol):
     line_based: bool  # records are lines: byte-range shards, errors named by file:line
     num_fields: int
     delimiter: bytes
-    header_lines: int  # lines at the top of each file that are not records
+    header_lines: HeaderLines  # lines at the top of each file that are not records (or a rule per file)
     sparse_feature_names: tuple[str, ...]
     num_dense_features: int
 
@@ -98,4 +99,8 @@ class LogFormat(Protocol):
     def decode(self, block: Any) -> DecodedRows:
         """Model-ready arrays of one block, with the rows that failed validation."""
 
-    # Optional: ``warm_up()`` loads compiled code in the main process before workers fork.
+    # Optional: ``warm_up()`` loads compiled code in the main process before workers fork;
+    # ``check_file(index)`` sees each file's index (its head) before any reading, to refuse
+    # it or note its layout; ``fields_in(path)`` is the number of fields of that file's
+    # records, where it is not ``num_fields``; ``unlabeled_reason``, set by ``read``, says
+    # why the file being read has no labels (NaN), which only predict accepts.

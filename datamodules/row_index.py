@@ -35,6 +35,28 @@ _VERSION = 3  # 3: FileIndex.unreadable
 
 
 @dataclass(frozen=True)
+class HeaderIf:
+    """One header line in a file whose first line is one of ``lines`` (a ``\\r`` before its
+    newline aside), none in any other: for layouts whose files come with or without their
+    header. Decided per file from its first bytes, as it is indexed.
+
+    Example::
+
+        rule = HeaderIf((b"id,click,hour",))
+        rule(b"id,click,hour\\n1,0,14102100\\n"), rule(b"1,0,14102100\\n")   # (1, 0)
+    """
+
+    lines: tuple[bytes, ...]
+
+    def __call__(self, head: bytes) -> int:
+        return int(head.split(b"\n", 1)[0].rstrip(b"\r") in self.lines)
+
+
+# Lines at the top of every file that are not records: a number, or a rule on the file's head.
+HeaderLines = int | HeaderIf
+
+
+@dataclass(frozen=True)
 class FileIndex:
     """The records of one file: lines after the header, or Parquet rows.
 
@@ -54,14 +76,14 @@ class FileIndex:
     path: str
     records: int
     kind: str  # "text", "compressed" or "parquet"
-    header_lines: int = 0
+    header_lines: int = 0  # this file's, where the format's header is a rule (HeaderIf)
     marks: tuple[int, ...] = ()
     groups: tuple[int, ...] = ()
     head: bytes = b""  # the file's first bytes (decompressed), to check a header or tell formats apart
     unreadable: str | None = None  # "EOFError: Compressed file ended ..." where reading broke off
 
 
-def build_file_index(path: str, header_lines: int = 0, columnar: bool = False) -> FileIndex:
+def build_file_index(path: str, header_lines: HeaderLines = 0, columnar: bool = False) -> FileIndex:
     """Count the records of ``path`` (one pass over a text file, the footer of a Parquet one)."""
     if columnar:
         with fsspec.open(path, "rb") as f:
@@ -77,14 +99,15 @@ def build_file_index(path: str, header_lines: int = 0, columnar: bool = False) -
     compressed = infer_compression(path) is not None
     # In the reader's own pieces: a stream that breaks off then ends at the same byte.
     with SmallReads(fsspec.open(path, "rb", compression="infer").open()) as f:
-        records, marks, head = _count_lines(f, header_lines, keep_marks=not compressed)
+        records, marks, head, header_lines = _count_lines(f, header_lines, keep_marks=not compressed)
         unreadable = f"{type(f.error).__name__}: {f.error}" if f.error is not None else None
     return FileIndex(path, records, "compressed" if compressed else "text", header_lines, tuple(marks), head=head,
                      unreadable=unreadable)
 
 
-def _count_lines(f, header_lines: int, keep_marks: bool) -> tuple[int, list[int], bytes]:
-    """Records after ``header_lines`` lines, the byte offset of every MARK_EVERY-th, and the head.
+def _count_lines(f, header_lines: HeaderLines, keep_marks: bool) -> tuple[int, list[int], bytes, int]:
+    """Records after ``header_lines`` lines, the byte offset of every MARK_EVERY-th, the head,
+    and the header lines (a rule's, decided on the head).
 
     A last line without its newline is a record, unless the stream broke off there (a
     truncated gzip file): the count then ends at the last whole line before the break,
@@ -92,7 +115,7 @@ def _count_lines(f, header_lines: int, keep_marks: bool) -> tuple[int, list[int]
     """
     lines = 0  # newlines seen so far: line n starts right after the n-th newline
     position = 0  # bytes read so far
-    marks: list[int] = [0] if keep_marks and header_lines == 0 else []
+    marks: list[int] = []
     head = b""
     last = b"\n"
     while True:
@@ -101,6 +124,10 @@ def _count_lines(f, header_lines: int, keep_marks: bool) -> tuple[int, list[int]
             break
         if not head:
             head = data[:_HEAD]
+            if not isinstance(header_lines, int):
+                header_lines = header_lines(head)
+            if keep_marks and header_lines == 0:
+                marks.append(0)
         ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
         if keep_marks and len(ends):
             records = lines + 1 + np.arange(len(ends)) - header_lines  # of the lines these newlines open
@@ -110,9 +137,11 @@ def _count_lines(f, header_lines: int, keep_marks: bool) -> tuple[int, list[int]
         position += len(data)
         last = data[-1:]
     unterminated = last != b"\n" and getattr(f, "error", None) is None  # a whole last line, not one cut off
+    if not isinstance(header_lines, int):
+        header_lines = header_lines(head)  # an empty file
     records = max(lines + unterminated - header_lines, 0)
     # An offset at the very end of the file (after the last newline) starts no record.
-    return records, [m for m in marks if m < position], head
+    return records, [m for m in marks if m < position], head, header_lines
 
 
 class RowIndexCache:
@@ -128,17 +157,18 @@ class RowIndexCache:
     def __init__(self, directory: str | os.PathLike | None) -> None:
         self.directory = Path(directory).expanduser() if directory is not None else None
 
-    def _key(self, path: str, header_lines: int, columnar: bool) -> str | None:
+    def _key(self, path: str, header_lines: HeaderLines, columnar: bool) -> str | None:
         try:
             fs, root = url_to_fs(path)
             info = fs.info(root)
         except OSError:
             return None
         stamp = info.get("mtime") or info.get("LastModified") or info.get("ETag") or info.get("created")
-        text = json.dumps([_VERSION, path, info.get("size"), str(stamp), header_lines, columnar, MARK_EVERY])
+        rule = header_lines if isinstance(header_lines, int) else repr(header_lines)
+        text = json.dumps([_VERSION, path, info.get("size"), str(stamp), rule, columnar, MARK_EVERY])
         return hashlib.sha1(text.encode()).hexdigest()
 
-    def get(self, path: str, header_lines: int = 0, columnar: bool = False) -> FileIndex:
+    def get(self, path: str, header_lines: HeaderLines = 0, columnar: bool = False) -> FileIndex:
         key = self._key(path, header_lines, columnar) if self.directory is not None else None
         if key is not None:
             cached = self.directory / f"{key}.json"
@@ -170,7 +200,7 @@ def default_index_dir() -> str:
     return os.path.join(os.environ.get("CTR_LIGHTNING_CACHE", "~/.cache/ctr-lightning"), "row_index")
 
 
-def index_files(paths: Sequence[str], header_lines: int = 0, columnar: bool = False,
+def index_files(paths: Sequence[str], header_lines: HeaderLines = 0, columnar: bool = False,
                 cache_dir: str | None = None,
                 check: Callable[[FileIndex], None] | None = None) -> list[FileIndex]:
     """The index of every file, from the cache where it holds one; ``check`` sees each."""

@@ -280,6 +280,16 @@ class _RecordRange(io.RawIOBase):
         super().close()
 
 
+def read_head(path: str, size: int = 1024) -> bytes:
+    """The first ``size`` bytes of a file, decompressed (empty where it cannot be read:
+    the reader that opens it next says why)."""
+    try:
+        with fsspec.open(path, "rb", compression="infer") as f:
+            return f.read(size)
+    except (EOFError, OSError, zlib.error):
+        return b""
+
+
 def iter_lines(fslice: FileSlice) -> Iterator[tuple[int, bytes]]:
     """(1-based line number in the file, line without newline) for every line of a slice.
 

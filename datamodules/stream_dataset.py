@@ -193,7 +193,7 @@ class LogStreamDataset(IterableDataset):
 
         def reject_wrong_width(nths: range) -> None:
             for nth in nths:
-                reason = self._width_reason(invalid[nth].encode())
+                reason = self._width_reason(invalid[nth].encode(), fslice.path)
                 if self.bad_lines == "raise":
                     line, text = self._locate(fslice, nth, wrong_width=True)
                     raise BadLineError(fslice.path, line, reason, text)
@@ -276,15 +276,22 @@ class LogStreamDataset(IterableDataset):
     def _wrong_width_lines(self, fslice: FileSlice) -> np.ndarray:
         """Positions in the slice (0-based) of its lines of the wrong width: one more read of
         the slice, paid only when predicting over a file that has them."""
-        return np.array([i for i, (_, line) in enumerate(iter_lines(fslice)) if self._wrong_width(line)],
+        fields = self._fields(fslice.path)
+        return np.array([i for i, (_, line) in enumerate(iter_lines(fslice)) if self._wrong_width(line, fields)],
                         dtype=np.int64)
 
-    def _wrong_width(self, line: bytes) -> bool:
-        return line.count(self.format.delimiter) + 1 != self.format.num_fields
+    def _fields(self, path: str) -> int:
+        """Fields of a record of this file: a format may read files of more than one width
+        (Criteo with or without its label), one width a file."""
+        fields_in = getattr(self.format, "fields_in", None)
+        return fields_in(path) if fields_in is not None else self.format.num_fields
 
-    def _width_reason(self, text: bytes) -> str:
-        fields = text.count(self.format.delimiter) + 1 if text else 0
-        return f"expected {self.format.num_fields} fields, found {fields}"
+    def _wrong_width(self, line: bytes, fields: int) -> bool:
+        return line.count(self.format.delimiter) + 1 != fields
+
+    def _width_reason(self, text: bytes, path: str) -> str:
+        found = text.count(self.format.delimiter) + 1 if text else 0
+        return f"expected {self._fields(path)} fields, found {found}"
 
     def _locate(self, fslice: FileSlice, nth: int, wrong_width: bool) -> tuple[int | None, bytes | None]:
         """Line number and text of the nth wrong-width (or nth well-formed) line of a slice.
@@ -292,7 +299,8 @@ class LogStreamDataset(IterableDataset):
         For formats without lines (Parquet), the row number in the file."""
         if not self.format.line_based:
             return fslice.first + nth + 1, None
-        lines = ((n, line) for n, line in iter_lines(fslice) if self._wrong_width(line) == wrong_width)
+        fields = self._fields(fslice.path)
+        lines = ((n, line) for n, line in iter_lines(fslice) if self._wrong_width(line, fields) == wrong_width)
         return next(itertools.islice(lines, nth, None), (None, None))
 
     def describe_empty(self, bad_line_counts: Mapping[str, int]) -> str:

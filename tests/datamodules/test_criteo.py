@@ -186,3 +186,47 @@ def test_batches_move_as_one_unit():
     assert [t.dtype for t in tensors] == [torch.float32, torch.float32, torch.int64, torch.int64, torch.int64]
     assert len(moved) == 2 and moved.sparse.keys() == ["C1", "C2"] and moved.sparse.stride() == 2
     assert batch.sparse.values().device.type == "cpu"  # the original stays where it was
+
+
+def test_unlabeled_files_of_39_fields_are_scored_with_empty_labels_and_refused_for_training(criteo_sample, tmp_path):
+    from lightning.pytorch import Trainer
+
+    from ctr_lightning.callbacks import ScoreWriter
+    from ctr_lightning.models import DeepFMModule
+
+    # Kaggle's test.txt layout: the label column dropped. A 40-field line (record 5) is a
+    # bad line of this file, as a 39-field one is of a labeled file.
+    lines = criteo_sample.head.read_text().splitlines()[:300]
+    unlabeled = [line.split("\t", 1)[1] for line in lines]
+    unlabeled[5] = lines[5]
+    path = tmp_path / "test.txt"
+    path.write_text("\n".join(unlabeled) + "\n")
+    labeled = tmp_path / "labeled.tsv"
+    labeled.write_text("\n".join(lines[:5] + [unlabeled[6]] + lines[6:]) + "\n")
+    with pytest.raises(BadLineError, match=f"{path}:6: expected 39 fields, found 40"):
+        dm = CriteoDataModule(predict_paths=[str(path)], bad_lines="raise")
+        dm.setup("predict")
+        list(dm.predict_dataloader())
+    with pytest.raises(BadLineError, match=f"{labeled}:6: expected 40 fields, found 39"):
+        collect(CriteoDataModule(train_paths=[str(labeled)], bad_lines="raise"))
+
+    dm = CriteoDataModule(predict_paths=[str(path)], batch_size=64)
+    dm.setup("predict")
+    batches = list(dm.predict_dataloader())
+    records = np.concatenate([b.records.numpy() for b in batches])
+    assert records.tolist() == [r for r in range(300) if r != 5]
+    assert np.isnan(np.concatenate([b.labels.numpy() for b in batches])).all()
+    _, want_dense, want_ids = reference_rows(criteo_sample.head)
+    np.testing.assert_allclose(np.concatenate([b.dense.numpy() for b in batches]), want_dense[records], rtol=1e-6)
+    got_ids = np.concatenate([b.sparse.values().reshape(26, len(b)).T.numpy() for b in batches])
+    np.testing.assert_array_equal(got_ids, want_ids[records])
+
+    writer = ScoreWriter(str(tmp_path / "scores"))
+    model = DeepFMModule(embedding_dim=4, num_embeddings=1000, deep_layer_sizes=[8])
+    Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_model_summary=False,
+            enable_progress_bar=False, callbacks=[writer]).predict(model, datamodule=dm, return_predictions=False)
+    scored = [line.split("\t") for line in (tmp_path / "scores" / "scores-rank00000.tsv").read_text().splitlines()]
+    assert [int(r[0]) for r in scored[1:]] == records.tolist()
+    assert {r[1] for r in scored[1:]} == {""}
+    with pytest.raises(BadLineError, match=f"{path}: 39 tab-separated fields a line, no label .*only predict_paths"):
+        collect(CriteoDataModule(train_paths=[str(path)]))

@@ -8,7 +8,7 @@ import pytest
 
 from ctr_lightning.datamodules import BadLineError
 from ctr_lightning.datamodules import row_index, sources
-from ctr_lightning.datamodules.row_index import RowIndexCache, build_file_index
+from ctr_lightning.datamodules.row_index import HeaderIf, RowIndexCache, build_file_index
 
 
 @pytest.fixture
@@ -33,6 +33,28 @@ def test_counts_records_and_marks_every_kth_start(tmp_path, small_marks, header_
     packed.write_bytes(gzip.compress(data))
     gz = build_file_index(str(packed), header_lines)
     assert (gz.kind, gz.records, gz.marks, gz.head) == ("compressed", 23 - header_lines, (), data[:1024])
+
+
+@pytest.mark.parametrize("has_header", [True, False])
+@pytest.mark.parametrize("suffix", [".csv", ".csv.gz"])
+def test_a_header_rule_is_decided_per_file_from_its_first_line(tmp_path, small_marks, has_header, suffix):
+    lines = (["id,click"] if has_header else []) + [f"{i},{i % 2}" for i in range(10)]
+    data = ("\n".join(lines) + "\n").encode()
+    path = tmp_path / f"a{suffix}"
+    path.write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    rule = HeaderIf((b"id,click", b"id"))
+    index = build_file_index(str(path), rule)
+    assert (index.records, index.header_lines) == (10, int(has_header))
+    if suffix == ".csv":  # the marks start at the first record, past the header where there is one
+        starts = [0] + [i + 1 for i, c in enumerate(data) if c == 10 and i + 1 < len(data)]
+        assert list(index.marks) == [starts[int(has_header) + r] for r in range(0, 10, 4)]
+    # The rule is part of the cache key: a cached count under another rule is not served.
+    cache = RowIndexCache(tmp_path / "cache")
+    assert cache.get(str(path), rule).header_lines == int(has_header)
+    assert cache.get(str(path), 0).header_lines == 0 and cache.get(str(path), rule) == index
+    empty = tmp_path / "empty.csv"
+    empty.write_bytes(b"")
+    assert (build_file_index(str(empty), rule).records, build_file_index(str(empty), rule).header_lines) == (0, 0)
 
 
 def test_empty_files_and_parquet_row_groups(tmp_path):
