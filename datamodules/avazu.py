@@ -15,7 +15,7 @@ from ctr_lightning.datamodules.bad_lines import BadLineError
 from ctr_lightning.datamodules.format_hints import format_hint
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
 from ctr_lightning.datamodules.row_index import FileIndex
-from ctr_lightning.datamodules.sources import FileSlice, read_csv_blocks
+from ctr_lightning.datamodules.sources import FileSlice, read_csv_slice
 from ctr_lightning.datamodules.log_format import DecodedRows
 
 AVAZU_COLUMNS = (
@@ -102,11 +102,7 @@ class AvazuFormat:
                                + (f" ({hint})" if hint else ""), header)
 
     def read(self, fslice: FileSlice, on_invalid_row: Callable[[object], str]) -> Iterator[pa.RecordBatch]:
-        read = pacsv.ReadOptions(column_names=list(AVAZU_COLUMNS), block_size=self.block_size, use_threads=False)
-        parse = pacsv.ParseOptions(delimiter=",", quote_char=False, ignore_empty_lines=False,
-                                   invalid_row_handler=on_invalid_row)
-        with fslice.open() as f:  # the records only: the header line is not part of any slice
-            yield from read_csv_blocks(f, read, parse, self._convert)
+        yield from read_csv_slice(fslice, AVAZU_COLUMNS, self._convert, on_invalid_row, self.block_size)
 
     def decode(self, batch: pa.RecordBatch) -> DecodedRows:
         n = batch.num_rows

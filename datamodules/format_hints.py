@@ -26,6 +26,23 @@ def format_hint(head: bytes, format_class: str) -> str:
     if head[:2] == b"\x1f\x8b":
         return "The file is gzip-compressed but its name does not end in .gz."
     seen = sniff_layout(head)
-    if seen is None or seen[0] == format_class:
+    if seen is None:
+        return delimited_hint(head) if format_class in _FIXED_TEXT_LAYOUTS else ""
+    if seen[0] == format_class:
         return ""
     return f"The file begins with {seen[1]}: read it with {_READER[seen[0]]}."
+
+
+# Readers of one fixed text layout, whose unknown files another delimited reader may read.
+_FIXED_TEXT_LAYOUTS = ("CriteoFormat", "AvazuFormat")
+
+
+def delimited_hint(head: bytes) -> str:
+    """A sentence naming DelimitedDataModule for text of no known layout, with the width
+    and delimiter of its first line; empty when no delimiter is seen there."""
+    first = head.split(b"\n", 1)[0].rstrip(b"\r")
+    count, delimiter = max((first.count(d), d) for d in (b",", b"\t", b";", b"|"))
+    if not count:
+        return ""
+    return (f"Read it with DelimitedDataModule (its first line has {count + 1} fields separated by "
+            f"{delimiter.decode()!r}).")

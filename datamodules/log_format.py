@@ -99,3 +99,6 @@ class LogFormat(Protocol):
         """Model-ready arrays of one block, with the rows that failed validation."""
 
     # Optional: ``warm_up()`` loads compiled code in the main process before workers fork.
+    # Optional, for line-based formats whose width is not ``num_fields`` split at ``delimiter``:
+    # ``count_fields(line) -> int`` (quoted fields) and ``fields_of(path) -> int`` (a
+    # width per file, from its header), to find and name the lines of the wrong width.

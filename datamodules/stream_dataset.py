@@ -193,7 +193,7 @@ class LogStreamDataset(IterableDataset):
 
         def reject_wrong_width(nths: range) -> None:
             for nth in nths:
-                reason = self._width_reason(invalid[nth].encode())
+                reason = self._width_reason(invalid[nth].encode(), fslice.path)
                 if self.bad_lines == "raise":
                     line, text = self._locate(fslice, nth, wrong_width=True)
                     raise BadLineError(fslice.path, line, reason, text)
@@ -276,15 +276,25 @@ class LogStreamDataset(IterableDataset):
     def _wrong_width_lines(self, fslice: FileSlice) -> np.ndarray:
         """Positions in the slice (0-based) of its lines of the wrong width: one more read of
         the slice, paid only when predicting over a file that has them."""
-        return np.array([i for i, (_, line) in enumerate(iter_lines(fslice)) if self._wrong_width(line)],
+        return np.array([i for i, (_, line) in enumerate(iter_lines(fslice)) if self._wrong_width(line, fslice.path)],
                         dtype=np.int64)
 
-    def _wrong_width(self, line: bytes) -> bool:
-        return line.count(self.format.delimiter) + 1 != self.format.num_fields
+    def _fields(self, line: bytes) -> int:
+        """Fields of a line as the format's parser splits it (quotes, where it has them)."""
+        count = getattr(self.format, "count_fields", None)
+        if count is not None:
+            return count(line)
+        return line.count(self.format.delimiter) + 1 if line else 0
 
-    def _width_reason(self, text: bytes) -> str:
-        fields = text.count(self.format.delimiter) + 1 if text else 0
-        return f"expected {self.format.num_fields} fields, found {fields}"
+    def _expected_fields(self, path: str) -> int:
+        per_file = getattr(self.format, "fields_of", None)  # a layout read from each file's header
+        return per_file(path) if per_file is not None else self.format.num_fields
+
+    def _wrong_width(self, line: bytes, path: str) -> bool:
+        return self._fields(line) != self._expected_fields(path)
+
+    def _width_reason(self, text: bytes, path: str) -> str:
+        return f"expected {self._expected_fields(path)} fields, found {self._fields(text)}"
 
     def _locate(self, fslice: FileSlice, nth: int, wrong_width: bool) -> tuple[int | None, bytes | None]:
         """Line number and text of the nth wrong-width (or nth well-formed) line of a slice.
@@ -292,7 +302,7 @@ class LogStreamDataset(IterableDataset):
         For formats without lines (Parquet), the row number in the file."""
         if not self.format.line_based:
             return fslice.first + nth + 1, None
-        lines = ((n, line) for n, line in iter_lines(fslice) if self._wrong_width(line) == wrong_width)
+        lines = ((n, line) for n, line in iter_lines(fslice) if self._wrong_width(line, fslice.path) == wrong_width)
         return next(itertools.islice(lines, nth, None), (None, None))
 
     def describe_empty(self, bad_line_counts: Mapping[str, int]) -> str:

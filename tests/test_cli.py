@@ -13,6 +13,7 @@ def test_help_lists_the_overrides(in_process, capsys):
     for name in ("DLRMModule:", "DCNv2Module: --model.cross_layers", "DeepFMModule: --model.deep_layer_sizes",
                  "WideDeepModule: --model.deep_layer_sizes",
                  "CriteoDataModule:", "AvazuDataModule:", "ParquetDataModule: --data.label_column",
+                 "DelimitedDataModule: --data.label_column",
                  "SyntheticCriteoDataModule:", "SyntheticStreamDataModule:", "DriftingLogDataModule: --data.data_dir, --data.days",
                  "ctr-lightning predict"):
         assert name in out, name
