@@ -33,6 +33,7 @@ from ctr_lightning.datamodules import (
     DriftingLogDataModule,
     AvazuDataModule,
     CriteoDataModule,
+    DelimitedDataModule,
     ParquetDataModule,
     SyntheticCriteoDataModule,
     SyntheticStreamDataModule,
@@ -346,7 +347,7 @@ def _datamodule_help() -> str:
     lines.append("  every model: " + ", ".join(f"--model.{a}" for a in _init_arguments(CTRModule)))
     lines += ["DataModules (pick with --data CLASS or a config's data.class_path, then set --data.ARG VALUE;"
               " --data.help CLASS shows types and defaults):"]
-    for cls in (CriteoDataModule, SyntheticCriteoDataModule, AvazuDataModule, ParquetDataModule,
+    for cls in (CriteoDataModule, SyntheticCriteoDataModule, AvazuDataModule, ParquetDataModule, DelimitedDataModule,
                 SyntheticStreamDataModule, DriftingLogDataModule):
         lines.append(f"  {cls.__name__}: " + ", ".join(f"--data.{a}" for a in _init_arguments(cls)))
     lines.append("Also: ctr-lightning predict --config X --ckpt_path PATH --data.predict_paths [...] streams scores "

@@ -3,6 +3,7 @@
 from ctr_lightning.datamodules.avazu import AvazuDataModule, AvazuFormat
 from ctr_lightning.datamodules.bad_lines import BadLineError, UnreadableFileError
 from ctr_lightning.datamodules.criteo import CriteoDataModule, CriteoFormat
+from ctr_lightning.datamodules.delimited import DelimitedDataModule, DelimitedFormat
 from ctr_lightning.datamodules.drifting_datamodule import DriftingLogDataModule
 from ctr_lightning.datamodules.drifting_log import DriftingLog
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
@@ -21,6 +22,8 @@ __all__ = [
     "BadLineError",
     "CriteoDataModule",
     "CriteoFormat",
+    "DelimitedDataModule",
+    "DelimitedFormat",
     "DriftingLog",
     "DriftingLogDataModule",
     "LogDataModule",

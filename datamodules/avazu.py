@@ -17,7 +17,7 @@ from ctr_lightning.datamodules.bad_lines import BadLineError
 from ctr_lightning.datamodules.format_hints import format_hint
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
 from ctr_lightning.datamodules.row_index import FileIndex, HeaderIf
-from ctr_lightning.datamodules.sources import FileSlice, read_csv_blocks, read_head
+from ctr_lightning.datamodules.sources import FileSlice, read_csv_slice, read_head
 from ctr_lightning.datamodules.log_format import DecodedRows
 
 AvazuHeader = bool | Literal["auto"]
@@ -81,7 +81,7 @@ class AvazuFormat:
         rows = fmt.decode(next(fmt.read(FileSlice("test.csv", header_lines=1), on_invalid_row=lambda r: "skip")))
     """
 
-    num_fields = len(AVAZU_COLUMNS)  # of a labeled file; fields_in(path) is each file's
+    num_fields = len(AVAZU_COLUMNS)  # of a labeled file; fields_of(path) is each file's
     delimiter = b","
     line_based = True
     sparse_feature_names = AVAZU_SPARSE
@@ -115,7 +115,7 @@ class AvazuFormat:
                                first.decode("utf-8", "replace"))
         self._columns[index.path] = columns
 
-    def fields_in(self, path: str) -> int:
+    def fields_of(self, path: str) -> int:
         return len(self._file_columns(path))
 
     def _file_columns(self, path: str) -> tuple[str, ...]:
@@ -129,11 +129,8 @@ class AvazuFormat:
         columns = self._file_columns(fslice.path)
         self.unlabeled_reason = (None if "click" in columns else
                                  f"no click column (Avazu's test layout, {len(columns)} columns)")
-        read = pacsv.ReadOptions(column_names=list(columns), block_size=self.block_size, use_threads=False)
-        parse = pacsv.ParseOptions(delimiter=",", quote_char=False, ignore_empty_lines=False,
-                                   invalid_row_handler=on_invalid_row)
-        with fslice.open() as f:  # the records only: a header line is not part of any slice
-            yield from read_csv_blocks(f, read, parse, self._convert)
+        # The records only: a header line is not part of any slice.
+        yield from read_csv_slice(fslice, columns, self._convert, on_invalid_row, self.block_size)
 
     def decode(self, batch: pa.RecordBatch) -> DecodedRows:
         n = batch.num_rows

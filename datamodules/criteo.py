@@ -36,7 +36,7 @@ class CriteoFormat:
             rows = fmt.decode(block)
     """
 
-    num_fields = NUM_FIELDS  # of a labeled file; fields_in(path) is each file's
+    num_fields = NUM_FIELDS  # of a labeled file; fields_of(path) is each file's
     delimiter = b"\t"
     line_based = True
     header_lines = 0
@@ -64,7 +64,7 @@ class CriteoFormat:
         widths = [line.count(b"\t") + 1 for line in lines]
         self._labeled[index.path] = widths.count(NUM_FIELDS - 1) <= widths.count(NUM_FIELDS)
 
-    def fields_in(self, path: str) -> int:
+    def fields_of(self, path: str) -> int:
         return NUM_FIELDS if self._is_labeled(path) else NUM_FIELDS - 1
 
     def _is_labeled(self, path: str) -> bool:

@@ -56,6 +56,20 @@ _LOG1P = np.log1p(np.arange(1 << 14, dtype=np.float64)).astype(np.float32)
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
+def _digits(data, start, end):
+    """``(value, ok)`` of ``data[start:end]`` read as 1 to 18 decimal digits (an int64)."""
+    if start == end or end - start > 18:
+        return np.int64(0), False
+    value = np.int64(0)
+    for j in range(start, end):
+        c = data[j]
+        if c < 48 or c > 57:
+            return np.int64(0), False
+        value = value * 10 + np.int64(c - 48)
+    return value, True
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
 def count_value(data, start, end, negative_is_bad):
     """``(log(1 + max(x, 0)), bad)`` of the integer count in ``data[start:end]``; empty is
     missing (0); non-integers are bad, and so are negative values when ``negative_is_bad``."""
@@ -64,14 +78,9 @@ def count_value(data, start, end, negative_is_bad):
     negative = data[start] == 45  # '-'
     if negative or data[start] == 43:  # '+'
         start += 1
-    if start == end or end - start > 18:
+    value, ok = _digits(data, start, end)
+    if not ok:
         return np.float32(0.0), True
-    value = np.int64(0)
-    for j in range(start, end):
-        c = data[j]
-        if c < 48 or c > 57:
-            return np.float32(0.0), True
-        value = value * 10 + np.int64(c - 48)
     if negative:
         return np.float32(0.0), negative_is_bad and value > 0
     if value == 0:
@@ -97,14 +106,82 @@ def hex8(data, i):
     return acc, seen <= 15
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _bytes_id(data, start, end, salt):
+    """FNV-1a of ``data[start:end]``, then SplitMix64 with the feature's salt, to 63 bits."""
+    h = np.uint64(0xCBF29CE484222325)
+    for j in range(start, end):
+        h = (h ^ np.uint64(data[j])) * np.uint64(0x100000001B3)
+    return np.int64(splitmix64_one(h ^ salt) & _MASK63)
+
+
 @numba.njit(cache=True)
 def hash_bytes_ids(offsets, data, salt, out) -> None:
-    """Any byte string to a 63-bit id (FNV-1a, then SplitMix64 with the feature's salt)."""
+    """Any byte string to a 63-bit id (:func:`_bytes_id`)."""
     for i in range(len(out)):
-        h = np.uint64(0xCBF29CE484222325)
-        for j in range(offsets[i], offsets[i + 1]):
-            h = (h ^ np.uint64(data[j])) * np.uint64(0x100000001B3)
-        out[i] = np.int64(splitmix64_one(h ^ salt) & _MASK63)
+        out[i] = _bytes_id(data, offsets[i], offsets[i + 1], salt)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _integer(data, start, end):
+    """``(value, ok)`` of ``data[start:end]`` read as a decimal integer, as pyarrow's CSV
+    reader reads one (a ``-``, not a ``+``; leading zeros), of up to 18 digits."""
+    # A '-', not a '+': pyarrow reads "+5" as a float, not an integer.
+    digits = start + 1 if end > start and data[start] == 45 else start
+    value, ok = _digits(data, digits, end)
+    return (-value if digits > start else value), ok
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _text_id(data, start, end, salt):
+    """The id of one text value: a decimal integer hashes as :func:`hash_values` hashes
+    the number (as a Parquet integer column's value does), anything else by its bytes."""
+    value, ok = _integer(data, start, end)
+    if ok:
+        return np.int64(splitmix64_one(np.uint64(value) ^ salt) & _MASK63)
+    return _bytes_id(data, start, end, salt)
+
+
+@numba.njit(cache=True)
+def decode_integers(offsets, data, out, ok) -> None:
+    """Decimal integer text to int64; ``ok[i]`` says whether value i was one (else 0)."""
+    for i in range(len(out)):
+        out[i], ok[i] = _integer(data, offsets[i], offsets[i + 1])
+
+
+@numba.njit(cache=True)
+def hash_text_ids(offsets, data, salt, out) -> None:
+    """Text values to 63-bit ids: integers as numbers, the rest (empty included) as bytes."""
+    for i in range(len(out)):
+        out[i] = _text_id(data, offsets[i], offsets[i + 1], salt)
+
+
+@numba.njit(cache=True)
+def count_items(offsets, data, separator, lengths) -> None:
+    """Items per value of a list written as text (``a|b|c``: 3; empty: none)."""
+    for i in range(len(lengths)):
+        start, end = offsets[i], offsets[i + 1]
+        n = 1 if end > start else 0
+        for j in range(start, end):
+            if data[j] == separator:
+                n += 1
+        lengths[i] = n
+
+
+@numba.njit(cache=True)
+def hash_item_ids(offsets, data, separator, salt, out) -> None:
+    """The ids of every item of lists written as text, in order (see :func:`count_items`)."""
+    k = 0
+    for i in range(len(offsets) - 1):
+        start, end = offsets[i], offsets[i + 1]
+        if end == start:
+            continue
+        item = start
+        for j in range(start, end + 1):
+            if j == end or data[j] == separator:
+                out[k] = _text_id(data, item, j, salt)
+                k += 1
+                item = j + 1
 
 
 def hash_values(values: np.ndarray, salt: np.uint64) -> np.ndarray:
@@ -120,5 +197,5 @@ def _hash_values(values, salt, out) -> None:
         out[i] = np.int64(splitmix64_one(np.uint64(values[i]) ^ salt) & _MASK63)
 
 
-__all__ = ["MISSING_VALUE", "column_buffers", "count_value", "decode_labels", "feature_salt", "hash_bytes_ids",
-           "hash_values", "hex8", "label_column"]
+__all__ = ["MISSING_VALUE", "column_buffers", "count_items", "count_value", "decode_integers", "decode_labels",
+           "feature_salt", "hash_bytes_ids", "hash_item_ids", "hash_text_ids", "hash_values", "hex8", "label_column"]

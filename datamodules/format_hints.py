@@ -45,22 +45,25 @@ def format_hint(head: bytes, format_class: str) -> str:
         return "The file is gzip-compressed but its name does not end in .gz."
     seen = sniff_layout(head)
     if seen is None:
-        return _delimited_hint(head)
+        # The delimited reader itself reads any text: only the fixed layouts' readers point to it.
+        return "" if format_class == "DelimitedFormat" else _delimited_hint(head)
     if seen[0] == format_class:
         return ""
     return f"The file begins with {seen[1]}: read it with {_READER[seen[0]]}."
+
+
+_DELIMITERS = {b",": "comma", b"\t": "tab", b";": "semicolon", b"|": "pipe"}
 
 
 def _delimited_hint(head: bytes) -> str:
     if not head or b"\0" in head:
         return ""  # empty, or binary: no delimited reader fits either
     first = head.split(b"\n", 1)[0].rstrip(b"\r")
-    tabs, commas = first.count(b"\t"), first.count(b",")
-    if tabs or commas:
-        name, count = ("tab", tabs) if tabs >= commas else ("comma", commas)
-        width = f"its first line has {count + 1} {name}-separated fields"
+    count, delimiter = max((first.count(d), d) for d in _DELIMITERS)
+    if count:
+        width = f"its first line has {count + 1} {_DELIMITERS[delimiter]}-separated fields"
     else:
-        width = "its first line has no tab or comma"
+        width = "its first line has no comma, tab, semicolon or pipe"
     return f"The file is none of the Criteo, Avazu or Parquet layouts: read it with DelimitedDataModule ({width})."
 
 

@@ -101,6 +101,8 @@ class LogFormat(Protocol):
 
     # Optional: ``warm_up()`` loads compiled code in the main process before workers fork;
     # ``check_file(index)`` sees each file's index (its head) before any reading, to refuse
-    # it or note its layout; ``fields_in(path)`` is the number of fields of that file's
-    # records, where it is not ``num_fields``; ``unlabeled_reason``, set by ``read``, says
-    # why the file being read has no labels (NaN), which only predict accepts.
+    # it or note its layout; ``unlabeled_reason``, set by ``read``, says why the file being
+    # read has no labels (NaN), which only predict accepts. For line-based formats whose
+    # width is not ``num_fields`` split at ``delimiter``: ``count_fields(line) -> int``
+    # (quoted fields) and ``fields_of(path) -> int`` (a width per file: from its header, or
+    # Criteo with or without its label), to find and name the lines of the wrong width.

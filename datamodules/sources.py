@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import io
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import fsspec
@@ -169,7 +169,7 @@ class SmallReads(io.RawIOBase):
 
     A truncated or corrupt stream then ends after its last whole piece, so every record
     before the damage is still parsed; the error is kept in :attr:`error` for the reader
-    to report once the good part is through (see :func:`read_csv_blocks`).
+    to report once the good part is through (see :func:`read_csv_slice`).
     """
 
     def __init__(self, raw: io.IOBase, chunk: int = 1 << 16) -> None:
@@ -308,7 +308,7 @@ def line_blocks(f: io.RawIOBase | io.BufferedIOBase, block_size: int) -> Iterato
     A block ends after its last newline (a line longer than a block spans several reads);
     the file's last line may lack its newline. The cut depends on the bytes alone, so
     every reader of a stream sees the same blocks. Raises the stream's kept error, as
-    :func:`read_csv_blocks` does, once its whole lines have been handed out (the line the
+    :func:`read_csv_slice` does, once its whole lines have been handed out (the line the
     break cut off is part of that error, not a line of its own).
     """
     tail = b""
@@ -337,17 +337,34 @@ def line_blocks(f: io.RawIOBase | io.BufferedIOBase, block_size: int) -> Iterato
         raise error
 
 
-def read_csv_blocks(
-    f: io.IOBase, read: pacsv.ReadOptions, parse: pacsv.ParseOptions, convert: pacsv.ConvertOptions
+def read_csv_slice(
+    fslice: FileSlice,
+    column_names: Sequence[str],
+    convert: pacsv.ConvertOptions,
+    on_invalid_row: Callable[[object], str],
+    block_size: int,
+    delimiter: str = ",",
+    quote_char: str | bool = False,
 ) -> Iterator[pa.RecordBatch]:
-    """Record batches of a delimited file, block by block; an empty file yields none."""
-    try:
-        reader = pacsv.open_csv(f, read_options=read, parse_options=parse, convert_options=convert)
-    except pa.ArrowInvalid as e:
-        if "Empty CSV file" not in str(e):
-            raise
-        reader = iter(())  # nothing readable (the stream may still have broken off; see below)
-    yield from reader
-    error = getattr(f, "error", None)
-    if error is not None:  # the stream broke off: the records before it are through, now say so
-        raise error
+    """Record batches of a slice of a delimited file, about ``block_size`` bytes each; an
+    empty slice yields none. The slice holds records only (header lines are no part of
+    one), so every column is named here; a row of another width goes to ``on_invalid_row``.
+    """
+    read = pacsv.ReadOptions(column_names=list(column_names), block_size=block_size, use_threads=False)
+    # Empty lines are kept, as rows of the wrong width: a record is a line, as the index counts them.
+    parse = pacsv.ParseOptions(delimiter=delimiter, quote_char=quote_char, ignore_empty_lines=False,
+                               invalid_row_handler=on_invalid_row)
+    with fslice.open() as f:
+        # Whole blocks: pyarrow takes each read as a block, and a compressed stream reads
+        # in small pieces (SmallReads), which would cut blocks of a few hundred rows.
+        blocks = io.BufferedReader(f, buffer_size=block_size)
+        try:
+            reader = pacsv.open_csv(blocks, read_options=read, parse_options=parse, convert_options=convert)
+        except pa.ArrowInvalid as e:
+            if "Empty CSV file" not in str(e):
+                raise
+            reader = iter(())  # nothing readable (the stream may still have broken off; see below)
+        yield from reader
+        error = getattr(f, "error", None)
+        if error is not None:  # the stream broke off: the records before it are through, now say so
+            raise error

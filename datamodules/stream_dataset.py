@@ -276,22 +276,25 @@ class LogStreamDataset(IterableDataset):
     def _wrong_width_lines(self, fslice: FileSlice) -> np.ndarray:
         """Positions in the slice (0-based) of its lines of the wrong width: one more read of
         the slice, paid only when predicting over a file that has them."""
-        fields = self._fields(fslice.path)
-        return np.array([i for i, (_, line) in enumerate(iter_lines(fslice)) if self._wrong_width(line, fields)],
+        expected = self._expected_fields(fslice.path)
+        return np.array([i for i, (_, line) in enumerate(iter_lines(fslice)) if self._fields(line) != expected],
                         dtype=np.int64)
 
-    def _fields(self, path: str) -> int:
-        """Fields of a record of this file: a format may read files of more than one width
-        (Criteo with or without its label), one width a file."""
-        fields_in = getattr(self.format, "fields_in", None)
-        return fields_in(path) if fields_in is not None else self.format.num_fields
+    def _fields(self, line: bytes) -> int:
+        """Fields of a line as the format's parser splits it (quotes, where it has them)."""
+        count = getattr(self.format, "count_fields", None)
+        if count is not None:
+            return count(line)
+        return line.count(self.format.delimiter) + 1 if line else 0
 
-    def _wrong_width(self, line: bytes, fields: int) -> bool:
-        return line.count(self.format.delimiter) + 1 != fields
+    def _expected_fields(self, path: str) -> int:
+        """Fields of a record of this file: a format may read files of more than one width
+        (Criteo with or without its label; a header naming the columns), one width a file."""
+        per_file = getattr(self.format, "fields_of", None)
+        return per_file(path) if per_file is not None else self.format.num_fields
 
     def _width_reason(self, text: bytes, path: str) -> str:
-        found = text.count(self.format.delimiter) + 1 if text else 0
-        return f"expected {self._fields(path)} fields, found {found}"
+        return f"expected {self._expected_fields(path)} fields, found {self._fields(text)}"
 
     def _locate(self, fslice: FileSlice, nth: int, wrong_width: bool) -> tuple[int | None, bytes | None]:
         """Line number and text of the nth wrong-width (or nth well-formed) line of a slice.
@@ -299,8 +302,8 @@ class LogStreamDataset(IterableDataset):
         For formats without lines (Parquet), the row number in the file."""
         if not self.format.line_based:
             return fslice.first + nth + 1, None
-        fields = self._fields(fslice.path)
-        lines = ((n, line) for n, line in iter_lines(fslice) if self._wrong_width(line, fields) == wrong_width)
+        expected = self._expected_fields(fslice.path)
+        lines = ((n, line) for n, line in iter_lines(fslice) if (self._fields(line) != expected) == wrong_width)
         return next(itertools.islice(lines, nth, None), (None, None))
 
     def describe_empty(self, bad_line_counts: Mapping[str, int]) -> str:

@@ -13,6 +13,7 @@ def test_help_lists_the_overrides(in_process, capsys):
     for name in ("DLRMModule:", "DCNv2Module: --model.cross_layers", "DeepFMModule: --model.deep_layer_sizes",
                  "WideDeepModule: --model.deep_layer_sizes",
                  "CriteoDataModule:", "AvazuDataModule:", "ParquetDataModule: --data.label_column",
+                 "DelimitedDataModule: --data.label_column",
                  "SyntheticCriteoDataModule:", "SyntheticStreamDataModule:", "DriftingLogDataModule: --data.data_dir, --data.days",
                  "ctr-lightning predict"):
         assert name in out, name
@@ -155,7 +156,7 @@ def test_admission_and_expiry_are_set_on_the_command_line(in_process, capsys):
 
 HELP_CLASSES = [("model", m) for m in ("DLRMModule", "DCNv2Module", "DeepFMModule", "WideDeepModule")] + [
     ("data", d) for d in ("CriteoDataModule", "SyntheticCriteoDataModule", "AvazuDataModule", "ParquetDataModule",
-                          "SyntheticStreamDataModule", "DriftingLogDataModule")]
+                          "DelimitedDataModule", "SyntheticStreamDataModule", "DriftingLogDataModule")]
 
 
 @pytest.mark.parametrize("group,name", HELP_CLASSES)

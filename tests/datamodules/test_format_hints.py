@@ -94,4 +94,4 @@ def test_binary_and_empty_heads_get_no_delimited_hint():
     assert format_hint(b"", "CriteoFormat") == ""
     assert format_hint(b"\x00\x01\x02,\t", "CriteoFormat") == ""
     assert format_hint(b"just words\n", "CriteoFormat").endswith(
-        "DelimitedDataModule (its first line has no tab or comma).")
+        "DelimitedDataModule (its first line has no comma, tab, semicolon or pipe).")
