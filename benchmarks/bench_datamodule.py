@@ -1,5 +1,6 @@
 """Log reading speed: CriteoDataModule vs a plain Python parser vs torchrec's reader; and
-(``--case delimited``) DelimitedDataModule vs pandas.read_csv vs Python's csv module.
+(``--case delimited``) DelimitedDataModule vs the Criteo reader (on a Criteo file of as many
+rows), pandas.read_csv and Python's csv module.
 
 All three read the same synthetic Criteo file (>= 2M rows) in ONE run, each in the same
 number of processes (2 workers, and 1 process), for the same number of passes, in
@@ -148,6 +149,14 @@ def delimited_datamodule(path: Path) -> int:
     return sum(len(batch) for batch in dm.train_dataloader())
 
 
+def criteo_datamodule(path: Path) -> int:
+    """The Criteo reader end to end on a Criteo file of as many rows (no workers): the
+    speed the delimited reader is held to."""
+    dm = CriteoDataModule(train_paths=[str(path)], batch_size=4096, num_workers=0)
+    dm.setup("fit")
+    return sum(len(batch) for batch in dm.train_dataloader())
+
+
 def pandas_read_csv(path: Path) -> int:
     import pandas
 
@@ -184,16 +193,22 @@ def delimited_case(args: argparse.Namespace) -> None:
     if not path.exists():
         Path(args.dir).mkdir(parents=True, exist_ok=True)
         write_delimited(path, rows)
+    criteo = Path(args.dir) / f"criteo-{rows}.tsv"
+    if not criteo.exists():
+        write_synthetic_criteo(criteo, rows=rows, seed=0)
     first = delimited_datamodule(path)  # loads the compiled decoders; not counted
     assert first == rows, (first, rows)
+    assert criteo_datamodule(criteo) == rows
     readers = {"ours, format": delimited_format, "ours, DataModule": delimited_datamodule,
-               "pandas.read_csv": pandas_read_csv, "plain csv module": csv_module}
+               "Criteo reader, DataModule": criteo_datamodule, "pandas.read_csv": pandas_read_csv,
+               "plain csv module": csv_module}
+    files = {name: criteo if name.startswith("Criteo") else path for name in readers}
     rates = {name: [] for name in readers}
     for round_ in range(args.rounds):
         order = list(readers) if round_ % 2 == 0 else list(reversed(readers))
         for name in order:
             start = time.perf_counter()
-            assert readers[name](path) == rows, name
+            assert readers[name](files[name]) == rows, name
             rates[name].append(rows / (time.perf_counter() - start))
         print(f"round {round_ + 1}: " + ", ".join(f"{name} {rates[name][-1]:,.0f}" for name in readers), flush=True)
     print(f"file: {path} ({rows:,} rows, {path.stat().st_size / 2**20:.0f} MiB); {args.rounds} rounds, one process")
@@ -201,7 +216,7 @@ def delimited_case(args: argparse.Namespace) -> None:
     for name, values in rates.items():
         print(f"{name:<40}{np.median(values):>12,.0f}")
     for ours in ("ours, format", "ours, DataModule"):
-        for anchor in ("pandas.read_csv", "plain csv module"):
+        for anchor in ("Criteo reader, DataModule", "pandas.read_csv", "plain csv module"):
             ratios = sorted(o / a for o, a in zip(rates[ours], rates[anchor]))
             print(f"{ours} / {anchor}: {np.median(ratios):.2f}x ({ratios[0]:.2f}x-{ratios[-1]:.2f}x)")
 

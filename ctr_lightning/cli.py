@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import os
 import re
 import sys
 import warnings
@@ -13,11 +14,10 @@ from argparse import RawDescriptionHelpFormatter
 from typing import Any
 
 import torch
-from jsonargparse import DefaultHelpFormatter
+from jsonargparse import DefaultHelpFormatter, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from ctr_lightning.callbacks import (
@@ -100,6 +100,14 @@ class CTRLightningCLI(LightningCLI):
         if not subcommand:
             return
         config = self.config[subcommand]
+        if subcommand in ("fit", "validate", "test") and config["trainer"].get("logger") is None:
+            # No logger named (fit without a config): the demo config's, not ./lightning_logs,
+            # set before --ckpt_path last looks for the newest run in its directory.
+            root = config["trainer"].get("default_root_dir") or "."
+            config["trainer"]["logger"] = Namespace(
+                class_path="lightning.pytorch.loggers.TensorBoardLogger",
+                init_args=Namespace(save_dir=str(Path(root) / "runs"), name=_run_name(config.get("data")),
+                                    default_hp_metric=False))
         if subcommand == "fit":
             continue_last_run(config)
         path = config.get("ckpt_path")
@@ -166,8 +174,9 @@ class CTRLightningCLI(LightningCLI):
                 cause = cause.__cause__
             if cause is None or _from_jsonargparse(cause):
                 raise
-            if isinstance(cause, ValueError):  # a setting refused by name: the reason alone
-                raise SettingRefusedError(str(cause)) from cause
+            if isinstance(cause, ValueError) and not os.environ.get("CTR_LIGHTNING_TRACE"):
+                # A setting refused by name: the reason, and where (CTR_LIGHTNING_TRACE=1: the trace).
+                raise SettingRefusedError(f"{cause} ({_origin(cause)}; CTR_LIGHTNING_TRACE=1 shows the trace)") from cause
             raise cause from None
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
@@ -175,14 +184,10 @@ class CTRLightningCLI(LightningCLI):
         if self.subcommand == "predict":
             # predict logs nothing: no run directory for it (its config goes beside the scores)
             config["logger"] = False
-        elif config.get("logger") is None:
-            # No logger named (fit without a config): the demo config's, not ./lightning_logs.
-            config["logger"] = TensorBoardLogger(str(Path(root) / "runs"), name=_run_name(self.datamodule),
-                                                 default_hp_metric=False)
         if self.subcommand == "fit" and config.get("callbacks") is None:
             # No callbacks named: the demo config's, so a run ends with a checkpoint and a summary.
-            config["callbacks"] = [ModelCheckpoint(save_last=True), ExamplesPerSecond(window=20), BadLineMonitor(),
-                                   RunSummary()]
+            checkpoint = [ModelCheckpoint(save_last=True)] if config.get("enable_checkpointing") is not False else []
+            config["callbacks"] = [*checkpoint, ExamplesPerSecond(window=20), BadLineMonitor(), RunSummary()]
         configured = config.get("callbacks") or []
         configured = configured if isinstance(configured, list) else [configured]  # one callback may come bare
         given = list(callbacks) + [c for c in configured if isinstance(c, Callback)]
@@ -212,9 +217,10 @@ class _SaveRunConfig(SaveConfigCallback):
         self.already_saved = True
 
 
-def _run_name(datamodule: Any) -> str:
-    """A run directory's name for a DataModule: ``CriteoDataModule`` -> ``criteo``."""
-    name = re.sub(r"DataModule$", "", type(datamodule).__name__) or "run"
+def _run_name(data: Any) -> str:
+    """A run directory's name for a parsed ``data`` spec: ``CriteoDataModule`` -> ``criteo``."""
+    class_path = str((data or {}).get("class_path") or "") if hasattr(data, "get") else ""
+    name = re.sub(r"DataModule$", "", class_path.rsplit(".", 1)[-1]) or "run"
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
@@ -319,6 +325,14 @@ def _from_jsonargparse(error: BaseException) -> bool:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb is not None and "jsonargparse" in tb.tb_frame.f_code.co_filename
+
+
+def _origin(error: BaseException) -> str:
+    """Where an exception was raised: ``file.py:line``."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return f"raised at {Path(tb.tb_frame.f_code.co_filename).name}:{tb.tb_lineno}" if tb is not None else "raised"
 
 
 def _class_name(class_path: str) -> str:

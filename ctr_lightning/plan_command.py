@@ -16,6 +16,7 @@ import yaml
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
 from ctr_lightning.embedding.optimizers import SPARSE_OPTIMIZERS
+from ctr_lightning.embedding.table_setup import MACHINE_CHECKS
 from ctr_lightning.topology.access_profile import TableAccess, measure_access
 from ctr_lightning.topology.discovery import discover
 from ctr_lightning.topology.machine import Machine
@@ -170,8 +171,15 @@ def plan_main(argv: list[str] | None = None) -> None:
     args, fit_args = parser.parse_known_args(argv)
     if not any(a.startswith(("--config", "--model", "--data")) or a == "-c" for a in fit_args):
         parser.error("give the config fit would run: --config X.yaml (and any of fit's options)")
-    config, model = fit_setup(fit_args)
     name = " + ".join(_config_names(fit_args)) or "the command line's config"
+    # Another machine's plan: this one's SSD directories and memory are not the question.
+    checks = MACHINE_CHECKS.set(not args.topology)
+    try:
+        config, model = fit_setup(fit_args)
+    except (MemoryError, OSError) as err:  # what fit would refuse on this machine too
+        raise SystemExit(f"ctr-lightning plan: {name} does not fit this machine: {err}") from None
+    finally:
+        MACHINE_CHECKS.reset(checks)
     machine = Machine.load(args.topology) if args.topology else discover()
     collections = _collections(model)
     tiers = {n: t for c in collections if c.auto_storage is None for n, t in c.table_tiers().items()}
@@ -190,7 +198,9 @@ def plan_main(argv: list[str] | None = None) -> None:
         out["plan"] = result.to_text("")
     else:
         rows = args.rows_per_table or int(getattr(model, "hparams", {}).get("num_embeddings") or 0) or None
-        text.append(describe_tiers(tiers, rows, machine, name))
+        accelerator = str((config.get("trainer") or {}).get("accelerator") or "auto")
+        on_cpu = accelerator == "cpu" or not machine.gpus
+        text.append(describe_tiers(tiers, rows, machine, name, on_cpu))
         text.append("")
         text.append("With storage: auto, fit would plan instead:" if result is not None else
                     f"With storage: auto, fit would refuse this machine: {refusal}")
@@ -215,9 +225,11 @@ def fit_setup(fit_args: list[str]) -> tuple[dict[str, Any], Any]:
     return {key: config.get(key) for key in ("model", "data", "trainer")}, cli.model
 
 
-def describe_tiers(tiers: Mapping[str, Mapping[str, Any]], rows: int | None, machine: Machine, name: str) -> str:
-    """The tiers fit sets up as the config gives them, per table, and the memory they take at
-    ``rows`` rows a table against this machine's."""
+def describe_tiers(tiers: Mapping[str, Mapping[str, Any]], rows: int | None, machine: Machine, name: str,
+                   on_cpu: bool = True) -> str:
+    """The tiers fit sets up as the config gives them, per table, and the DRAM they take at
+    ``rows`` rows a table against this machine's (the device tier counts where it is DRAM:
+    ``on_cpu``)."""
     lines = [f"Tiers fit sets up ({name}: storage as configured; rows a tier holds, 'all': every row the table gets)",
              f"{'table':<12}{'device tier':>14}{'host tier':>14}  ssd_dir"]
     memory = 0
@@ -226,14 +238,16 @@ def describe_tiers(tiers: Mapping[str, Mapping[str, Any]], rows: int | None, mac
         host = "all" if t["host_rows"] is None else f"{t['host_rows']:,}"
         lines.append(f"{table:<12}{device:>14}{host:>14}  {t['ssd_dir'] or '-'}")
         if rows:
-            held = rows if t["device_rows"] is None else min(rows, t["device_rows"])
-            held += 0 if t["device_rows"] is None else (rows - held if t["host_rows"] is None
-                                                       else min(rows - held, t["host_rows"]))
-            memory += held * t["row_bytes"]
+            device = rows if t["device_rows"] is None else min(rows, t["device_rows"])
+            host = 0 if t["device_rows"] is None else (rows - device if t["host_rows"] is None
+                                                      else min(rows - device, t["host_rows"]))
+            memory += (device * on_cpu + host) * t["row_bytes"]
     if rows:
         free = machine.free_memory_bytes
-        lines.append(f"at {rows:,} rows a table the memory tiers hold {_gib(memory)} (this machine has {_gib(free)} "
-                     f"free{'' if free is None or memory <= free else ': more than that, so fit would be killed as the rows arrive'})")
+        tiers_named = "the device and host tiers" if on_cpu else "the host tiers (the device tier is GPU memory)"
+        over = free is not None and memory > free
+        lines.append(f"at {rows:,} rows a table {tiers_named} hold {_gib(memory)} of DRAM (this machine has "
+                     f"{_gib(free)} free{': more than that, so fit would be killed as the rows arrive' if over else ''})")
     return "\n".join(lines)
 
 

@@ -173,3 +173,17 @@ def test_help_of_a_class_describes_every_argument_from_its_docstring(in_process,
     assert len(entries) > 3
     undescribed = [option for option, described in entries if not described.strip()]
     assert not undescribed, f"{name}: no description for {undescribed}"
+
+
+def test_a_refused_setting_prints_its_reason_not_a_trace(tmp_path, in_process, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"click": [0, 1] * 5, "ad": list(range(10))}), tmp_path / "a.parquet")
+    with pytest.raises(SystemExit) as exit:
+        in_process(["fit", "--data", "ParquetDataModule", "--data.train_paths", str(tmp_path / "a.parquet"),
+                    "--data.label_column", "click", "--trainer.default_root_dir", str(tmp_path)])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "ctr-lightning: error: ParquetDataModule needs the columns whose ids it embeds" in err
+    assert "raised at parquet.py:" in err and "Traceback" not in err and "Union" not in err

@@ -77,6 +77,7 @@ class StreamProgressBar(TQDMProgressBar):
     def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
         super().on_train_epoch_start(trainer)
         self._counting_gib = False
+        self.train_progress_bar.unit = "it"
 
     @property
     def total_val_batches_current_dataloader(self) -> int | float:

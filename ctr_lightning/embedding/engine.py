@@ -116,7 +116,7 @@ class TableEngine(ABC):
     def load_expiry_clock(self, state: Mapping[str, Any]) -> None:
         """Take the data time of :meth:`expiry_clock`."""
 
-    def observe_event_time(self, seconds: float) -> None:
+    def observe_event_time(self, seconds: float | None) -> None:
         """The newest event time of the training batch about to run (this rank's; the
         newest over all ranks counts). Collective when distributed and a table's ttl counts
         in data time."""

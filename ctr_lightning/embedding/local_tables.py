@@ -14,6 +14,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding.counters import sum_counters
 from ctr_lightning.embedding.engine import TableEngine, TableState
+from ctr_lightning.embedding.lifecycle.row_expiry import join_clock_states
 from ctr_lightning.embedding.snapshots.table_snapshot import SnapshotManifest, SnapshotRef, load_tables, save_tables
 from ctr_lightning.embedding.table_checks import align_features
 from ctr_lightning.embedding.table_group import TableGroup
@@ -169,22 +170,16 @@ class LocalTables(TableEngine):
                 group.expiry.load(floors)
 
     def expiry_clock(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for group in self.groups:
-            if group.expiry is not None:
-                state = group.expiry.clock_state()
-                newest = state.pop("newest", None)
-                if newest is not None:
-                    out["newest"] = max(newest, out.get("newest", newest))
-                out.update(state)
-        return out
+        return join_clock_states(group.expiry.clock_state() for group in self.groups if group.expiry is not None)
 
     def load_expiry_clock(self, state: Mapping[str, Any]) -> None:
         for group in self.groups:
             if group.expiry is not None and group.expiry.timed.any():
-                group.expiry.load_clock(dict(state))
+                group.expiry.load_clock(state)
 
-    def observe_event_time(self, seconds: float) -> None:
+    def observe_event_time(self, seconds: float | None) -> None:
+        if seconds is None:
+            return  # a training step with no event time: a ttl in data time says so at the step
         for group in self.groups:
             group.observe_event_time(seconds)
 

@@ -192,12 +192,13 @@ class TableGroup:
 
     def _update(self, slots: np.ndarray, tables: np.ndarray, grad: torch.Tensor | CpuBackward) -> None:
         finite = not self.skip_nonfinite or _finite(grad)
+        stamped = self.steps.copy()  # what this step's lookups stamped (the count before it)
         if finite:
             # Every table in the batch counts a step, as torch.optim.SparseAdam counts per parameter.
             self.steps += 1
         if self.expiry is not None:  # a skipped step's stamps count too, at the same step count
             event_time, self.event_time = self.event_time, None
-            self.expiry.advance(self.steps, event_time)
+            self.expiry.advance(self.steps, event_time, stamped)
             self.tiers.expire_below(self.expiry.floor)
         if not finite:
             return  # the rows, their optimizer state and the step counts stay as they were

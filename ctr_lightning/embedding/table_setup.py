@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import errno
 import math
@@ -111,10 +112,24 @@ class TableSetup:
                 in_dram = (dev or 0) * (setup.device.type == "cpu") + (cap or 0) * has_host_tier(device, host)
                 dram[t.name] = in_dram * row_bytes
             storage = setup.storage[group[0].name]
-            if storage.ssd_dir is not None:
+            if storage.ssd_dir is not None and MACHINE_CHECKS.get():
                 _check_directory(storage.ssd_dir, [t.name for t in group], storage.ssd_segment_bytes)
-        _check_dram(dram, module_name)
+        if MACHINE_CHECKS.get():
+            _check_dram(dram, module_name)
         return setup
+
+    def tiers(self, tables: Sequence[EmbeddingBagConfig]) -> dict[str, dict[str, Any]]:
+        """Per table, its tiers' capacities in rows (None: every row), SSD directory and
+        row bytes (see :meth:`TieredEmbeddingBagCollection.table_tiers`)."""
+        out = {}
+        for table in tables:
+            storage = self.storage[table.name]
+            row_bytes = 4 * self.row_width(table.embedding_dim, [table.name])
+            device, host = storage.device_capacity(row_bytes), storage.host_capacity(row_bytes)
+            # A host tier exists only below a bounded device tier (see has_host_tier).
+            out[table.name] = {"device_rows": device, "host_rows": host if device is not None and host != 0 else 0,
+                               "ssd_dir": storage.ssd_dir, "row_bytes": row_bytes}
+        return out
 
     @property
     def timed_tables(self) -> list[str]:
@@ -207,6 +222,12 @@ def has_host_tier(device_caps: Sequence[int | None], host_caps: Sequence[int | N
 def check_kernel_device(kernel: str, device: torch.device) -> None:
     if kernel == "numba" and device.type != "cpu":
         raise ValueError(f"kernel='numba' needs the device tier in CPU memory, not on {device}")
+
+
+# Whether tables being set up are checked against this machine (its SSD directories and
+# memory): off where they are built to be described for another one (ctr-lightning plan
+# --topology), never in a run.
+MACHINE_CHECKS: contextvars.ContextVar[bool] = contextvars.ContextVar("ctr_lightning_machine_checks", default=True)
 
 
 def _check_directory(path: str, tables: list[str], segment_bytes: int) -> None:

@@ -258,16 +258,7 @@ class TieredEmbeddingBagCollection(nn.Module):
         if self._auto_storage is not None and self.placement is None:
             raise RuntimeError(f"{type(self).__name__}: storage 'auto' is planned at the start of fit "
                                f"(plan_placement); its tiers are not known yet")
-        out = {}
-        for table in self._tables:
-            storage = self._setup.storage[table.name]
-            row_bytes = 4 * self._setup.row_width(table.embedding_dim, [table.name])
-            device = storage.device_capacity(row_bytes)
-            # A host tier exists only below a bounded device tier (see has_host_tier).
-            host = storage.host_capacity(row_bytes) if device is not None and storage.host_capacity(row_bytes) != 0 else 0
-            out[table.name] = {"device_rows": device, "host_rows": host, "ssd_dir": storage.ssd_dir,
-                               "row_bytes": row_bytes}
-        return out
+        return self._setup.tiers(self._tables)
 
     @property
     def auto_storage(self) -> AutoStorage | None:
@@ -436,11 +427,17 @@ class TieredEmbeddingBagCollection(nn.Module):
         the ones delta exports for serving can follow."""
         return set(self._setup.expiry)
 
-    def observe_event_time(self, seconds: float) -> None:
+    @property
+    def timed_tables(self) -> list[str]:
+        """Tables whose :class:`Expiry` ttl counts in data time (they need :meth:`observe_event_time`)."""
+        return self._setup.timed_tables
+
+    def observe_event_time(self, seconds: float | None) -> None:
         """The newest event time (POSIX seconds) of the training batch about to run, for
         tables whose :class:`Expiry` ttl counts in data time (CTRModule calls it with each
-        ``Batch.event_time``; nothing happens where no ttl does). Call it before each
-        training forward; collective when sharded (the newest over all ranks counts).
+        ``Batch.event_time``; nothing happens where no ttl does; None: this rank's batch has
+        none). Call it before each training forward; collective when sharded (the newest over
+        all ranks counts, so every rank calls it).
 
         Example::
 
@@ -560,14 +557,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                     **self._lifecycle.saved(self._built)}
         engine = self._built()  # first: under storage auto, only the plan says whether there is an SSD tier
         if self.gathers_ssd_rows:
-            raise GatheringSsdRowsError(
-                f"{type(self).__name__}: a state dict of tables {[t.name for t in self._tables]} would gather into "
-                f"memory every row their SSD tier holds (a table larger than memory cannot be saved so: the process "
-                f"would be killed). Add ctr_lightning.callbacks.TableSnapshots() to the Trainer's callbacks "
-                f"(checkpoints then stream the rows to table snapshots), or return "
-                f"ctr_lightning.callbacks.table_snapshots_by_default(self) from the LightningModule's "
-                f"configure_callbacks (CTRModule models do), or call checkpoint_to_snapshots(None) on the collection "
-                f"to gather whole rows on purpose.")
+            raise GatheringSsdRowsError(_gathering_refusal(type(self).__name__, [t.name for t in self._tables]))
         # Per table, whatever the sharding: a checkpoint loads into any number of ranks.
         # When sharded this is collective (Lightning builds checkpoints on every rank). The
         # widths go along for readers of the file alone (export: rows hold optimizer state too).
@@ -678,3 +668,12 @@ class TieredEmbeddingBagCollection(nn.Module):
         # Set by a TableSnapshots callback for its run (a closure over the trainer): not the copy's.
         state["snapshot_search"] = list
         return state
+
+
+def _gathering_refusal(owner: str, tables: list[str]) -> str:
+    return (f"{owner}: a state dict of tables {tables} would gather into memory every row their SSD tier holds (a "
+            f"table larger than memory cannot be saved so: the process would be killed). Add "
+            f"ctr_lightning.callbacks.TableSnapshots() to the Trainer's callbacks (checkpoints then stream the rows to "
+            f"table snapshots), or return ctr_lightning.callbacks.table_snapshots_by_default(self) from the "
+            f"LightningModule's configure_callbacks (CTRModule models do), or call checkpoint_to_snapshots(None) on "
+            f"the collection to gather whole rows on purpose.")

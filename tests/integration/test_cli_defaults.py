@@ -38,6 +38,17 @@ def test_fit_without_a_config_logs_like_the_demo_config_and_fills_the_hparams_ta
     # 12 steps, fewer than Lightning's 50 between logs: a point a step, so a curve.
     assert len(events.Scalars("train/loss")) == 12
     assert "train/examples_per_sec" in scalars  # the default ExamplesPerSecond
+    # --ckpt_path last finds that run under the default logger's directory and goes on in it.
+    base = ["fit", "--data", "SyntheticCriteoDataModule", "--data.data_dir", str(data), "--data.train_rows", "1500",
+            "--data.val_rows", "300", "--data.batch_size", "128", "--data.num_workers", "0",
+            "--model.embedding_dim", "4", "--trainer.default_root_dir", str(tmp_path)]
+    in_process([*base, "--trainer.max_steps", "14", "--ckpt_path", "last"])
+    assert sorted(p.name for p in run.parent.iterdir()) == ["version_0"]
+    import torch
+
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 14
+    # No checkpoints asked for: no default ModelCheckpoint to refuse them.
+    in_process([*base, "--trainer.max_steps", "2", "--trainer.enable_checkpointing", "false"])
 
 
 def test_predict_makes_no_run_directory(tmp_path, in_process):

@@ -5,6 +5,7 @@ replica on every rank."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ from ctr_lightning.embedding.distributed.data_parallel import DataParallelTables
 from ctr_lightning.embedding.distributed.shard_snapshots import save_shards
 from ctr_lightning.embedding.distributed.shared_row_caps import SharedRowCaps
 from ctr_lightning.embedding.engine import TableEngine, TableState
+from ctr_lightning.embedding.lifecycle.row_expiry import join_clock_states
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
 from ctr_lightning.embedding.snapshots.table_snapshot import SnapshotManifest, SnapshotRef
@@ -305,24 +307,17 @@ class ShardedTables(TableEngine):
     def expiry_clock(self) -> dict[str, Any]:
         # Every rank sees the same event times (observe_event_time takes the newest over
         # all): a row-wise table's entries agree, a table-wise table's are on its owner.
-        joined: dict[str, Any] = {}
-        for part in gather_objects(self.local.expiry_clock(), self.process_group):
-            newest = part.pop("newest", None)
-            if newest is not None:
-                joined["newest"] = max(newest, joined.get("newest", newest))
-            for name, entry in part.items():
-                joined.setdefault(name, entry)
-        return joined
+        return join_clock_states(gather_objects(self.local.expiry_clock(), self.process_group))
 
     def load_expiry_clock(self, state: Mapping[str, Any]) -> None:
         self.local.load_expiry_clock(state)
 
-    def observe_event_time(self, seconds: float) -> None:
+    def observe_event_time(self, seconds: float | None) -> None:
         if not self.timed:
             return
-        newest = torch.tensor([float(seconds)], dtype=torch.float64)
+        newest = torch.tensor([-math.inf if seconds is None else float(seconds)], dtype=torch.float64)
         dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=self.process_group)
-        self.local.observe_event_time(float(newest))
+        self.local.observe_event_time(None if math.isinf(float(newest)) else float(newest))
 
     def load_sightings(self, state: Mapping[str, np.ndarray]) -> None:
         self.local.load_sightings(state)

@@ -44,9 +44,9 @@ class LifecycleState:
             out["expiry"] = engine().expiry_floors()
         if self.setup.timed_tables:
             clock = engine().expiry_clock()
-            out["expiry_clock"] = {name: entry if name == "newest" else
-                                   {"base": entry["base"], "times": torch.from_numpy(entry["times"])}
-                                   for name, entry in clock.items()}
+            if clock:
+                out["expiry_clock"] = {"newest": clock["newest"], "tables": {
+                    name: {"base": e["base"], "times": torch.from_numpy(e["times"])} for name, e in clock["tables"].items()}}
         return out
 
     def take(self, state: Mapping[str, Any]) -> None:
@@ -62,8 +62,7 @@ class LifecycleState:
                 raise KeyError(f"tables {self.setup.timed_tables} have a ttl in data time but the checkpoint holds "
                                f"no event times (saved with a ttl in steps?)")
             if clock is not None:
-                engine.load_expiry_clock({name: entry if name == "newest" else
-                                          {"base": int(entry["base"]), "times": np.asarray(entry["times"])}
-                                          for name, entry in clock.items()})
+                engine.load_expiry_clock({"newest": clock["newest"], "tables": {
+                    name: {"base": int(e["base"]), "times": np.asarray(e["times"])} for name, e in clock["tables"].items()}})
         if "sightings" in pending:
             engine.load_sightings({name: np.asarray(counts) for name, counts in pending["sightings"].items()})

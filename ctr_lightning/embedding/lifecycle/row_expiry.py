@@ -3,7 +3,9 @@ last looked up at, raised by ``ttl`` and ``max_rows``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -140,11 +142,13 @@ class RowExpiry:
             self.counts[t] = grown
         np.add.at(self.counts[t], steps - self.base[t], sign)
 
-    def advance(self, clock: np.ndarray, event_time: float | None = None) -> None:
+    def advance(self, clock: np.ndarray, event_time: float | None = None,
+                stamped: np.ndarray | None = None) -> None:
         """After a training step (``clock``: the tables' step counts now; ``event_time``: the
-        newest event time of its batch, over all ranks): raise the floors."""
+        newest event time of its batch, over all ranks; ``stamped``: the step its rows were
+        stamped with, ``clock - 1`` unless the step was skipped): raise the floors."""
         if self.timed.any():
-            self._observe(clock, event_time)
+            self._observe(clock - 1 if stamped is None else stamped, event_time)
         for t in np.flatnonzero(self.counting):
             floor = int(self.floor[t])
             if self.ttl[t] >= 0:
@@ -156,8 +160,8 @@ class RowExpiry:
                 floor = max(floor, self._cap_floor(int(t), floor, int(clock[t])))
             self._raise_floor(int(t), ttl_floor, floor)
 
-    def _observe(self, clock: np.ndarray, event_time: float | None) -> None:
-        """Record the newest event time as of the step just trained (its stamp: ``clock - 1``)."""
+    def _observe(self, stamped: np.ndarray, event_time: float | None) -> None:
+        """Record the newest event time as of the step whose rows were stamped ``stamped``."""
         if event_time is None:
             t = int(np.flatnonzero(self.timed)[0])
             raise ValueError(f"table {self.names[t]!r}: Expiry.ttl {self.settings[t].ttl!r} counts in data time, but "
@@ -166,7 +170,7 @@ class RowExpiry:
                              f"observe_event_time before each training forward), or set the ttl in steps")
         self.newest = float(event_time) if self.newest is None else max(self.newest, float(event_time))
         for t in np.flatnonzero(self.timed):
-            at = int(clock[t]) - 1 - int(self.time_base[t])
+            at = int(stamped[t]) - int(self.time_base[t])
             if at < 0:
                 continue  # a step below the floor: its rows are gone already
             if at >= len(self.times[t]):
@@ -240,30 +244,30 @@ class RowExpiry:
         stored rows are live (the per-step counts are recounted from the rows at a load)."""
         return {name: int(self.floor[t]) for t, name in enumerate(self.names) if self.stamped[t]}
 
-    def clock_state(self) -> dict[str, object]:
-        """Data time, where a ttl counts in it: the newest event time trained and per timed
-        table the newest event time as of each step from its floor on (``nan``: a step not
-        trained here)."""
+    def clock_state(self) -> dict[str, Any]:
+        """Data time, where a ttl counts in it: ``{"newest": the newest event time trained,
+        "tables": {name: {"base": step, "times": the newest event time as of each step from
+        the table's floor on (nan: a step not trained here)}}}``; empty where none does."""
         if not self.timed.any():
             return {}
-        out: dict[str, object] = {"newest": self.newest}
+        tables: dict[str, Any] = {}
         for t in np.flatnonzero(self.timed):
             at = max(0, int(self.floor[t]) - int(self.time_base[t]))
             times = self.times[t][at:]
             known = np.flatnonzero(~np.isnan(times))
             times = times[: known[-1] + 1] if len(known) else times[:0]
-            out[self.names[t]] = {"base": int(self.time_base[t]) + at, "times": times.copy()}
-        return out
+            tables[self.names[t]] = {"base": int(self.time_base[t]) + at, "times": times.copy()}
+        return {"newest": self.newest, "tables": tables}
 
-    def load_clock(self, state: dict[str, object]) -> None:
+    def load_clock(self, state: Mapping[str, Any]) -> None:
+        tables = state.get("tables") or {}
         for t in np.flatnonzero(self.timed):
             name = self.names[t]
-            if name not in state:
+            if name not in tables:
                 raise KeyError(f"table {name!r} has a ttl in data time but the checkpoint holds no event times for "
                                f"it (saved with a ttl in steps, or without expiry?)")
-            entry = state[name]
-            self.time_base[t] = int(entry["base"])
-            self.times[t] = np.asarray(entry["times"], dtype=np.float64).copy()
+            self.time_base[t] = int(tables[name]["base"])
+            self.times[t] = np.asarray(tables[name]["times"], dtype=np.float64).copy()
         newest = state.get("newest")
         self.newest = None if newest is None else float(newest)
 
@@ -288,3 +292,19 @@ class RowExpiry:
             for t in np.unique(tables[keep]):
                 self._add(int(t), last[keep & (tables == t)], +1)
         self.needs_recount = False
+
+
+def join_clock_states(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Clock states (:meth:`RowExpiry.clock_state`) of several groups or ranks as one: the
+    newest event time over all, each table's entry from whichever part holds it (ranks see
+    the same event times, so a row-wise table's entries agree)."""
+    newest: float | None = None
+    tables: dict[str, Any] = {}
+    for part in parts:
+        if not part:
+            continue
+        if part.get("newest") is not None:
+            newest = part["newest"] if newest is None else max(newest, part["newest"])
+        for name, entry in part["tables"].items():
+            tables.setdefault(name, entry)
+    return {"newest": newest, "tables": tables} if tables else {}
