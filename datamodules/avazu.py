@@ -108,7 +108,7 @@ class AvazuFormat:
         """Note the file's columns from its first line, or refuse a file that is no Avazu
         layout (checked once, when it is indexed, naming the reader that fits)."""
         first = index.head.split(b"\n", 1)[0].rstrip(b"\r")
-        columns = _columns(first, index.header_lines) if index.head else AVAZU_COLUMNS  # empty: nothing to read
+        columns = _columns(index.head, index.header_lines) if index.head else AVAZU_COLUMNS  # empty: nothing to read
         if isinstance(columns, str):
             hint = format_hint(index.head, type(self).__name__)
             raise BadLineError(index.path, 1, columns + (f" ({hint})" if hint else ""),
@@ -183,15 +183,19 @@ class AvazuDataModule(LogDataModule):
         super().__init__(AvazuFormat(block_size=block_size, group_column=group_column, header=header), **kwargs)
 
 
-def _columns(first: bytes, header_lines: int) -> tuple[str, ...] | str:
-    """A file's columns from its first line, or why it is no Avazu file."""
+def _columns(head: bytes, header_lines: int) -> tuple[str, ...] | str:
+    """A file's columns from its head (its header, or the width most of its first lines
+    have, so one damaged line does not decide the layout), or why it is no Avazu file."""
+    lines = head.split(b"\n")
+    first = lines[0].rstrip(b"\r")
     if header_lines:
         return AVAZU_HEADERS.get(first) or (f"expected the Avazu header {','.join(AVAZU_COLUMNS)} (or its test "
                                             f"file's, without click)")
-    width = first.count(b",") + 1
+    complete = [line.rstrip(b"\r") for line in (lines[:-1] if len(lines) > 1 else lines) if line.strip()]
+    widths = [line.count(b",") + 1 for line in complete] or [first.count(b",") + 1]
     for columns in (AVAZU_COLUMNS, AVAZU_TEST_COLUMNS):
-        if width == len(columns):
+        if 2 * widths.count(len(columns)) > len(widths):
             return columns
-    return (f"expected the Avazu header id,click,hour,...,C21 or a header-less Avazu line of {len(AVAZU_COLUMNS)} "
+    return (f"expected the Avazu header id,click,hour,...,C21 or header-less Avazu lines of {len(AVAZU_COLUMNS)} "
             f"comma-separated fields ({len(AVAZU_TEST_COLUMNS)} without click, as in its test file); its first line "
-            f"has {width}")
+            f"has {widths[0]}")

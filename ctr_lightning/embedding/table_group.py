@@ -278,15 +278,16 @@ class TableGroup:
             keep[unstored] = self.admission.admit(tables[unstored], ids[unstored], sightings[unstored], steps)
         return keep
 
-    def put_merged(self, tables: np.ndarray, ids: np.ndarray, values: torch.Tensor) -> None:
+    def put_merged(self, tables: np.ndarray, ids: np.ndarray, values: torch.Tensor, current: torch.Tensor) -> None:
         """Under k-step tables, at a merge: :meth:`put_rows` of merged rows whose stamps (where
-        their table expires rows) are the newest lookup on any rank; the expiry's counts follow."""
+        their table expires rows) are the newest lookup on any rank; the expiry's counts follow.
+        ``current``: the rows as :meth:`full_rows` read them before the merge."""
         if self.expiry is None:
             self.put_rows(tables, ids, values)
             return
         self.recount_if_loaded()
         column = self.expiry.column
-        before = read_last_seen(self.tiers.full_rows(tables, ids)[:, column : column + STAMP_WORDS], 0)
+        before = read_last_seen(current[:, column : column + STAMP_WORDS], 0)
         after = read_last_seen(values[:, column : column + STAMP_WORDS], 0)
         stamped = self.expiry.stamped[tables]
         after = np.where(stamped, np.maximum(before, after), after)

@@ -127,3 +127,14 @@ def test_the_test_layout_without_click_is_scored_with_empty_labels_and_refused_f
     assert {r[1] for r in scored[1:]} == {""}
     with pytest.raises(BadLineError, match=f"{headless}: no click column .*only predict_paths may be unlabeled"):
         collect(AvazuDataModule(train_paths=[str(headless)]))
+
+
+def test_a_damaged_first_line_does_not_decide_a_header_less_files_layout(avazu_sample, tmp_path):
+    lines = avazu_sample.read_text().splitlines()[1:]
+    fields = lines[0].split(",")
+    damaged = ",".join(fields[:1] + fields[2:])  # one field short: the test layout's width
+    (tmp_path / "a.csv").write_text("\n".join([damaged] + lines[1:]) + "\n")
+    dm = AvazuDataModule(train_paths=[str(tmp_path / "a.csv")], batch_size=32)
+    labels, _ = collect(dm)
+    assert len(labels) == 99  # trained on the other lines; the first is a counted bad line
+    assert dm.bad_line_counts == {str(tmp_path / "a.csv"): 1}

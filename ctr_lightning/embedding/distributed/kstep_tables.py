@@ -308,10 +308,11 @@ class KStepTables(TableEngine):
                 # Rows stored nowhere keep their deltas only where admission takes them now.
                 keep = group.admit_merged(local, ids[pick], sightings[pick], self.schedule.steps)
                 pick, local = pick[keep], local[keep]
-                merged = group.full_rows(local, ids[pick]) + mean[torch.from_numpy(pick)]
+                current = group.full_rows(local, ids[pick])
+                merged = current + mean[torch.from_numpy(pick)]
                 if newest is not None:
                     merged[:, core:] = torch.from_numpy(stamp_words(newest[pick]))
-                group.put_merged(local, ids[pick], merged)
+                group.put_merged(local, ids[pick], merged, current)
         self._expire_owned()
 
     def _expire_owned(self) -> None:
