@@ -149,6 +149,78 @@ def decode_integers(offsets, data, out, ok) -> None:
         out[i], ok[i] = _integer(data, offsets[i], offsets[i + 1])
 
 
+_POW10 = np.array([10.0**k for k in range(23)])  # exact in float64 up to 1e22
+
+
+@numba.njit(cache=True)
+def decode_decimals(offsets, data, out, state) -> None:
+    """Decimal text (``-12.5``, ``3e-4``) to float64 where one rounding is exact: at most 15
+    significant digits times a power of ten up to 22 (Clinger's fast path, so the value is
+    the correctly rounded one any exact parser gives): ``state`` 0. Empty: state 1, value 0.
+    Anything else (other spellings, more digits, text that is no number): state 2, for a
+    parser that handles every case."""
+    for i in range(len(out)):
+        start, end = offsets[i], offsets[i + 1]
+        out[i] = 0.0
+        if start == end:
+            state[i] = 1
+            continue
+        state[i] = 2
+        j = start
+        negative = data[j] == 45  # "-"
+        if negative:
+            j += 1
+        mantissa = 0
+        significant = 0
+        digits = 0
+        exponent = 0
+        while j < end and 48 <= data[j] <= 57:
+            if mantissa or data[j] != 48:
+                significant += 1
+            mantissa = mantissa * 10 + (data[j] - 48) if significant <= 15 else mantissa
+            if significant > 15:
+                exponent += 1
+            digits += 1
+            j += 1
+        if j < end and data[j] == 46:  # "."
+            j += 1
+            fraction = 0
+            while j < end and 48 <= data[j] <= 57:
+                if mantissa or data[j] != 48:
+                    significant += 1
+                if significant <= 15:
+                    mantissa = mantissa * 10 + (data[j] - 48)
+                    exponent -= 1
+                fraction += 1
+                j += 1
+            if fraction == 0:
+                continue  # "3.": left to the full parser
+            digits += fraction
+        if digits == 0 or significant > 15:
+            continue
+        if j < end and (data[j] == 101 or data[j] == 69):  # "e" / "E"
+            j += 1
+            sign = 1
+            if j < end and (data[j] == 45 or data[j] == 43):
+                sign = -1 if data[j] == 45 else 1
+                j += 1
+            power = 0
+            count = 0
+            while j < end and 48 <= data[j] <= 57 and count < 4:
+                power = power * 10 + (data[j] - 48)
+                count += 1
+                j += 1
+            if count == 0:
+                continue
+            exponent += sign * power
+        if j != end or exponent > 22 or exponent < -22:
+            continue
+        value = float(mantissa)
+        value = value * _POW10[exponent] if exponent >= 0 else value / _POW10[-exponent]
+        out[i] = -value if negative else value
+        state[i] = 0
+
+
 @numba.njit(cache=True)
 def hash_text_ids(offsets, data, salt, out) -> None:
     """Text values to 63-bit ids: integers as numbers, the rest (empty included) as bytes."""
