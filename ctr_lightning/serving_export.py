@@ -39,7 +39,7 @@ import pyarrow.parquet as pq
 import torch
 
 import ctr_lightning  # noqa: F401 - registers the config classes a checkpoint may hold
-from ctr_lightning.embedding.lifecycle.row_expiry import STAMP_WORDS, read_last_seen
+from ctr_lightning.embedding.lifecycle.row_expiry import SCORE_WORDS, STAMP_WORDS, read_last_seen, score_bucket
 from ctr_lightning.file_digest import file_sha256
 from ctr_lightning.serving import EXPORT_JSON, FORMAT, read_description
 from ctr_lightning.embedding.snapshots.table_snapshot import MANIFEST, SnapshotManifest, read_snapshot_file, verify
@@ -184,6 +184,11 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
     for extra in collections.values():
         configs, steps, chunks = _table_chunks(extra, chunk_rows, Path(ckpt_path).parent / "table_snapshots")
         floors = {name: int(floor) for name, floor in (extra.get("expiry") or {}).items()}  # stamped tables
+        scored = set(extra.get("expiry_scored") or [])  # their floors rank score keys, after the stamp
+        if previous is not None and scored:
+            raise ValueError(f"export --since {since}: tables {sorted(scored)} keep rows by a score "
+                             f"(Expiry(score=...)): the rows they evict are no range of last lookups a delta could "
+                             f"name; export them in full")
         changed_from = _changed_from(previous, since, configs, steps, floors) if previous is not None else {}
         writers = {name: _TableWriter(out / "tables" / name, name,
                                       int(config.get("dim") or hparams["embedding_dim"]), rows_per_file,
@@ -192,12 +197,18 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
         for name, ids, rows in chunks:
             last_seen = None
             if name in floors:  # rows gone (expired) may still lie in the snapshot's files: left out
-                last_seen = read_last_seen(rows, rows.shape[1] - STAMP_WORDS)
-                keep = last_seen >= max(floors[name], changed_from.get(name, floors[name]))
+                column = rows.shape[1] - STAMP_WORDS - (SCORE_WORDS if name in scored else 0)
+                last_seen = read_last_seen(rows, column)
+                if name in scored:  # alive by the score's bucket (a row never trained has none)
+                    keep = (last_seen >= 0) & (score_bucket(rows[:, column + STAMP_WORDS].numpy()) >= floors[name])
+                else:
+                    keep = last_seen >= max(floors[name], changed_from.get(name, floors[name]))
                 ids, rows, last_seen = ids[keep], rows[torch.from_numpy(keep)], last_seen[keep]
             writers[name].write(ids, rows[:, : writers[name].dim].numpy(), last_seen)
         for name, config in configs.items():
-            tables_out[name] = _table_entry(name, config, writers[name], out, hparams, extra, steps, floors)
+            # A score table's floor ranks scores, not last lookups: no floor a reader could apply.
+            tables_out[name] = _table_entry(name, config, writers[name], out, hparams, extra, steps,
+                                            {n: f for n, f in floors.items() if n not in scored})
 
     dense = {k: v.detach().clone().contiguous() for k, v in state.items()
              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}

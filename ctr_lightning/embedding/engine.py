@@ -116,6 +116,9 @@ class TableEngine(ABC):
     def load_expiry_clock(self, state: Mapping[str, Any]) -> None:
         """Take the data time of :meth:`expiry_clock`."""
 
+    def observe_labels(self, labels: Any) -> None:
+        """The labels of the training batch about to run (``[B]`` numpy), for scores that count clicks."""
+
     def observe_event_time(self, seconds: float | None) -> None:
         """The newest event time of the training batch about to run (this rank's; the
         newest over all ranks counts). Collective when distributed and a table's ttl counts

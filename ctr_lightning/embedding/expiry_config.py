@@ -20,6 +20,9 @@ def parse_duration(text: str) -> float:
     return float(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
+SCORES = ("lru", "lfu", "show_click")
+
+
 @checkpoint_safe
 @dataclass(frozen=True)
 class Expiry:
@@ -53,19 +56,35 @@ class Expiry:
             batches must then carry event times (``Batch.event_time``: a DataModule's
             ``event_time_column``, or ``partition_time=True`` for ``dt=``/``hour=``
             partitions; in your own loop, :meth:`TieredEmbeddingBagCollection.observe_event_time`).
-        max_rows: at most this many rows stored; above it the least recently looked-up
-            rows go (LRU), all rows of one step together, so the table may hold a batch's
-            worth fewer. Must exceed the rows one batch touches.
+        max_rows: at most this many rows stored; above it the lowest-scoring rows go, all
+            rows of one score together (of one step, under LRU), so the table may hold a
+            batch's worth fewer. Must exceed the rows one batch touches.
+        score: what ``max_rows`` keeps: ``"lru"`` (the most recently looked-up rows),
+            ``"lfu"`` (the most looked-up: each training lookup adds the row's occurrences
+            in the batch) or ``"show_click"`` (PaddleBox's: each lookup adds
+            ``nonclick_weight * (shows - clicks) + click_weight * clicks``, the clicks from
+            the batch's labels). Scores decay by ``decay`` a training step, so old counts
+            fade (with no decay, LFU keeps the rows that were popular once, and a new id
+            scores below them all). A score cap takes no ttl: the decay ages rows instead.
+            Rows of equal score (within 1/16 of a doubling) go together.
+        decay: the factor a score keeps from one training step to the next, in (0, 1].
+        click_weight: what a click adds to a ``"show_click"`` score.
+        nonclick_weight: what a show without a click adds to a ``"show_click"`` score.
 
     Example::
 
         TieredEmbeddingBagCollection(tables, expiry=Expiry(ttl=50_000))
         TieredEmbeddingBagCollection(tables, expiry=Expiry(ttl="7d"))   # in data time
         TieredEmbeddingBagCollection(tables, expiry={"user": Expiry(max_rows=10**8), "ad": Expiry()})
+        Expiry(max_rows=10**8, score="show_click", decay=0.9999)       # PaddleBox's shrink
     """
 
     ttl: int | str | None = None
     max_rows: int | None = None
+    score: str = "lru"
+    decay: float = 1.0
+    click_weight: float = 1.0
+    nonclick_weight: float = 0.1
 
     def __post_init__(self) -> None:
         if isinstance(self.ttl, str):
@@ -76,6 +95,21 @@ class Expiry:
         if self.max_rows is not None and (isinstance(self.max_rows, bool) or not isinstance(self.max_rows, int)
                                           or self.max_rows < 1):
             raise ValueError(f"Expiry.max_rows must be a whole number >= 1, got {self.max_rows!r}")
+        if self.score not in SCORES:
+            raise ValueError(f"Expiry.score must be one of {SCORES}, got {self.score!r}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"Expiry.decay must be in (0, 1], got {self.decay!r}")
+        if self.click_weight <= 0 or self.nonclick_weight <= 0:
+            raise ValueError(f"Expiry.click_weight and nonclick_weight must be > 0, got {self.click_weight!r}, "
+                             f"{self.nonclick_weight!r}")
+        if self.scored and (self.max_rows is None or self.ttl is not None):
+            raise ValueError(f"Expiry(score={self.score!r}) ranks the rows max_rows keeps: give max_rows, and no ttl "
+                             f"(the score's decay ages rows instead)")
+
+    @property
+    def scored(self) -> bool:
+        """Whether rows are kept by a score (LFU, show/click) rather than by recency."""
+        return self.score != "lru"
 
 
     @property

@@ -177,6 +177,10 @@ class LocalTables(TableEngine):
             if group.expiry is not None and group.expiry.timed.any():
                 group.expiry.load_clock(state)
 
+    def observe_labels(self, labels: Any) -> None:
+        for group in self.groups:
+            group.observe_labels(labels)
+
     def observe_event_time(self, seconds: float | None) -> None:
         if seconds is None:
             return  # a training step with no event time: a ttl in data time says so at the step

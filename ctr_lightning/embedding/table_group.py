@@ -10,7 +10,14 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
 from ctr_lightning.embedding.lifecycle.admission_gate import AdmissionGate
-from ctr_lightning.embedding.lifecycle.row_expiry import STAMP_WORDS, RowExpiry, read_last_seen, stamp_words
+from ctr_lightning.embedding.lifecycle.row_expiry import (
+    SCORE_WORDS,
+    STAMP_WORDS,
+    RowExpiry,
+    read_last_seen,
+    score_bucket,
+    stamp_words,
+)
 from ctr_lightning.embedding.kernels.pooling import BagLayout, CpuBackward, pool_cpu, pool_torch, update_cpu, update_torch
 from ctr_lightning.embedding.prefetch.working_set import WorkingSet
 from ctr_lightning.embedding.table_setup import TableSetup
@@ -61,7 +68,9 @@ class TableGroup:
         self.expiry: RowExpiry | None = expiry if expiry.active else None
         if self.expiry is not None:
             self.tiers.live = self.expiry.live
+            self.tiers.rank_by(self.expiry.rank_keys)
         self.event_time: float | None = None  # the newest of the coming training batch, for a ttl in data time
+        self.labels: np.ndarray | None = None  # the coming training batch's, for scores that count clicks
 
     def observe_event_time(self, seconds: float) -> None:
         """The newest event time of the training batch about to run (over all ranks)."""
@@ -104,7 +113,8 @@ class TableGroup:
         # Rows admission turned away have slot -1: the kernels read them as zeros, update nothing.
         device_tier.touch(slots if self.admission is None else slots[slots >= 0])
         if self.expiry is not None and train:
-            self._stamp(slots, u_tables)
+            shows, clicks = self._shows_and_clicks(u_tables, inverse, offsets, batch)
+            self._stamp(slots, u_tables, shows, clicks)
         layout = BagLayout(slots, inverse, offsets, weights, batch)
         on_grad = _RowUpdate(self, slots, u_tables) if train else None
         if self.use_numba:
@@ -132,9 +142,9 @@ class TableGroup:
         if not len(pos):
             return
         tier = self.tiers.device_tier
-        column = self.expiry.column  # the stamps alone, not whole rows, are read on this path
-        stamps = tier.values[torch.from_numpy(slots[pos]).to(tier.device), column : column + STAMP_WORDS]
-        gone = pos[read_last_seen(stamps, 0) < self.expiry.floor[tables[pos]]]
+        column = self.expiry.column  # the stamps (and scores) alone, not whole rows, are read on this path
+        stamps = tier.values[torch.from_numpy(slots[pos]).to(tier.device), column : column + self._stamp_words]
+        gone = pos[self.expiry.rank_keys(tables[pos], stamps, column=0) < self.expiry.floor[tables[pos]]]
         if not len(gone):
             return
         taken = np.ones(len(gone), dtype=bool)
@@ -145,19 +155,61 @@ class TableGroup:
         self.tiers.tables.initialize(tier.values, slots[restart], tables[restart], ids[restart])
         slots[gone[~taken]] = -1
 
-    def _stamp(self, slots: np.ndarray, tables: np.ndarray) -> None:
-        """A training lookup's stored rows of stamped tables were looked up at this step."""
+    @property
+    def _stamp_words(self) -> int:
+        """Floats after a row's optimizer state: its last lookup step, and its score key in a
+        table kept by a score."""
+        return STAMP_WORDS + (SCORE_WORDS if self.expiry.scored.any() else 0)
+
+    def observe_labels(self, labels: np.ndarray) -> None:
+        """The labels of the training batch about to run, for scores that count clicks."""
+        if self.expiry is not None and self.expiry.clicks_count.any():
+            self.labels = labels
+
+    def _shows_and_clicks(self, tables: np.ndarray, inverse: np.ndarray, offsets: torch.Tensor,
+                          batch: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Per unique row of a training lookup, its occurrences and, where a score counts
+        clicks, the clicks among them (each occurrence's example's label); None where no
+        table of the group is kept by a score."""
+        if not self.expiry.scored.any():
+            return None, None
+        shows = np.bincount(inverse, minlength=len(tables)).astype(np.float64)
+        if not self.expiry.clicks_count.any():
+            return shows, None
+        labels, self.labels = self.labels, None
+        if labels is None:
+            name = self.names[int(np.flatnonzero(self.expiry.clicks_count)[0])]
+            raise ValueError(f"table {name!r}: Expiry(score='show_click') counts clicks, but this training batch came "
+                             f"without its labels (observe_labels before each training forward; CTRModule does)")
+        bags = np.diff(offsets.cpu().numpy())
+        examples = np.repeat(np.arange(len(bags)), bags) % batch  # bags are feature-major
+        return shows, np.bincount(inverse, weights=labels[examples], minlength=len(tables))
+
+    def _stamp(self, slots: np.ndarray, tables: np.ndarray, shows: np.ndarray | None,
+               clicks: np.ndarray | None) -> None:
+        """A training lookup's stored rows of stamped tables were looked up at this step (and
+        in a table kept by a score, add their shows and clicks to it)."""
         mine = np.flatnonzero((slots >= 0) & self.expiry.stamped[tables])
         if not len(mine):
             return
         tier = self.tiers.device_tier
         at = slots[mine]
         index = torch.from_numpy(at).to(tier.device)
-        column = self.expiry.column
-        before = read_last_seen(tier.values[index, column : column + STAMP_WORDS], 0)
-        steps = self.steps[tables[mine]]
-        self.expiry.looked_up(tables[mine], before, self.steps)
-        tier.values[index, column : column + STAMP_WORDS] = torch.from_numpy(stamp_words(steps)).to(tier.device)
+        column, words = self.expiry.column, self._stamp_words
+        block = tier.values[index, column : column + words].cpu().numpy()
+        tables = tables[mine]
+        before = self.expiry.rank_keys(tables, block, column=0)
+        steps = self.steps[tables]
+        after = steps.copy()
+        scored = np.flatnonzero(self.expiry.scored[tables])
+        if len(scored):
+            keys = self.expiry.scores(tables[scored], read_last_seen(block[scored], 0), block[scored, STAMP_WORDS],
+                                      shows[mine[scored]], None if clicks is None else clicks[mine[scored]], self.steps)
+            block[scored, STAMP_WORDS] = keys
+            after[scored] = score_bucket(keys)
+        self.expiry.relooked(tables, before, after)
+        block[:, :STAMP_WORDS] = stamp_words(steps)
+        tier.values[index, column : column + words] = torch.from_numpy(block).to(tier.device)
         # A stamp is a change: the row goes back to SSD with it, and into the next snapshot.
         tier.dirty[at] = True
         tier.changed[at] = True

@@ -18,7 +18,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from ctr_lightning.embedding.admission_config import Admission
 from ctr_lightning.embedding.expiry_config import Expiry
 from ctr_lightning.embedding.initializer import init_range
-from ctr_lightning.embedding.lifecycle.row_expiry import STAMP_WORDS
+from ctr_lightning.embedding.lifecycle.row_expiry import SCORE_WORDS, STAMP_WORDS
 from ctr_lightning.embedding.lifecycle.sighting_sketch import DEPTH, MIN_WIDTH, PARTITIONS, min_sketch_bytes
 from ctr_lightning.embedding.kernels.sparse_update import state_width
 from ctr_lightning.embedding.optimizers import SparseAdam, SparseOptimizer
@@ -132,6 +132,16 @@ class TableSetup:
         return out
 
     @property
+    def scored_tables(self) -> list[str]:
+        """The tables whose row cap keeps rows by a score (LFU, show/click)."""
+        return sorted(name for name, e in self.expiry.items() if e.scored)
+
+    @property
+    def click_tables(self) -> list[str]:
+        """The tables whose score counts clicks: their lookups need the batch's labels."""
+        return sorted(name for name, e in self.expiry.items() if e.score == "show_click")
+
+    @property
     def timed_tables(self) -> list[str]:
         """The tables whose ttl counts in data time."""
         return sorted(name for name, e in self.expiry.items() if e.ttl_seconds is not None)
@@ -139,7 +149,8 @@ class TableSetup:
     def row_width(self, dim: int, tables: Sequence[str] = ()) -> int:
         """Floats stored per row of a group of ``tables``: the weights, the optimizer's state
         and, where a table expires rows, each row's last lookup step."""
-        return self.core_width(dim) + (STAMP_WORDS if any(t in self.expiry for t in tables) else 0)
+        return (self.core_width(dim) + (STAMP_WORDS if any(t in self.expiry for t in tables) else 0)
+                + (SCORE_WORDS if any(t in self.expiry and self.expiry[t].scored for t in tables) else 0))
 
     def core_width(self, dim: int) -> int:
         """Floats of a row the optimizer steps: the weights and its state."""
@@ -150,8 +161,9 @@ class TableSetup:
         pooling, SSD directory and id space."""
         keys: dict[tuple, list[int]] = {}
         for i, t in enumerate(tables):
+            expiry = self.expiry.get(t.name)
             keys.setdefault((t.embedding_dim, t.pooling, self.storage[t.name].ssd_dir, self.id_space[t.name],
-                             t.name in self.expiry), []).append(i)
+                             expiry is not None, expiry is not None and expiry.scored), []).append(i)
         return list(keys.values())
 
     def capacities(self, group: Sequence[EmbeddingBagConfig],

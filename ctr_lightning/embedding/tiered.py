@@ -427,10 +427,12 @@ class TieredEmbeddingBagCollection(nn.Module):
         the ones delta exports for serving can follow."""
         return set(self._setup.expiry)
 
-    @property
-    def timed_tables(self) -> list[str]:
-        """Tables whose :class:`Expiry` ttl counts in data time (they need :meth:`observe_event_time`)."""
-        return self._setup.timed_tables
+    def observe_labels(self, labels: torch.Tensor) -> None:
+        """The labels of the training batch about to run, for tables whose :class:`Expiry`
+        score counts clicks (``score="show_click"``; CTRModule calls it; nothing happens
+        where none does). Call it before each training forward."""
+        if self._setup.click_tables:
+            self._built().observe_labels(labels.detach().cpu().numpy().astype(np.float64))
 
     def observe_event_time(self, seconds: float | None) -> None:
         """The newest event time (POSIX seconds) of the training batch about to run, for

@@ -174,10 +174,11 @@ class CTRModule(pl.LightningModule):
         checkpoint[MODEL_CLASS_KEY] = f"{type(self).__module__}.{type(self).__qualname__}"
 
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
-        if batch.event_time is not None or self.embeddings.timed_tables:  # a ttl in data time (Expiry(ttl="7d"))
-            # Called on every rank alike (collective when sharded), an empty batch's too.
-            times = batch.event_time
-            self.embeddings.observe_event_time(float(times.max()) if times is not None and len(times) else None)
+        self.embeddings.observe_labels(batch.labels)  # for scores that count clicks (Expiry(score="show_click"))
+        # For a ttl in data time (Expiry(ttl="7d")); every step on every rank alike (collective
+        # when sharded and a ttl counts in data time), an empty batch's too.
+        times = batch.event_time
+        self.embeddings.observe_event_time(float(times.max()) if times is not None and len(times) else None)
         loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)
         self.log("train/loss", loss, prog_bar=True, batch_size=len(batch))
         return loss

@@ -21,7 +21,7 @@ from ctr_lightning.serving import read_export
 # sightings of the interval.
 # Expiry with admission (32-example batches, cut after 7 of 14 steps): tables expire by ttl,
 # t1's in data time (the newest event time over the ranks counts), and t0 has a row cap
-# (row-wise: counted over every rank's shard).
+# (row-wise: counted over every rank's shard). A table-wise table kept by an LFU score.
 RANK_SCRIPT = r"""
 import os, sys
 import numpy as np, torch, torch.distributed as dist
@@ -143,6 +143,19 @@ for label in ["row_wise", "row_wise+resumed", "table_wise", "table_wise+resumed"
         export(state, f"export_{label}_{world}_end", since=os.path.join(out_dir, base))
         torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
                     "floors": state["expiry"], "counts": counts}, os.path.join(out_dir, f"expiry_{label}_{world}.pt"))
+def scoring(label):
+    return TieredEmbeddingBagCollection(
+        TABLES, optimizer=SparseAdam(lr=0.05), sharding="table_wise", admission=Admission(admit_after=2),
+        expiry={"t0": Expiry(max_rows=25, score="lfu", decay=0.9), "t1": Expiry(ttl=2)},
+        storage=storage("scored_" + label, device_rows=30, ssd_segment_bytes=4096))
+
+for label in ["lfu_table_wise", "lfu_table_wise+resumed"]:
+    # A row cap by score (LFU, decaying): the owner counts every rank's occurrences of its rows.
+    ebc, rows, state = run(scoring, label, steps=14, cut=7, size=32, at_cut=lambda cut_state: None)
+    counts = gathered(ebc.expiry_counts())
+    if rank == 0:
+        torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
+                    "floors": state["expiry"], "counts": counts}, os.path.join(out_dir, f"scored_{label}_{world}.pt"))
 if world > 1:
     # k-step tables (merges every 2 steps; the owners raise their floors at each merge), with
     # a checkpoint at the cut as above: resumed or not, the same rows kept.
@@ -274,6 +287,15 @@ def test_two_ranks_keep_the_rows_one_process_keeps(runs):
             torch.testing.assert_close(resumed["rows"][name], rows, atol=1e-5, rtol=0)
         assert sum(c["t0"]["evicted"] for c in straight["counts"] if "t0" in c) > 0
         assert len(straight["stored"]["t0"]) <= 25
+    # A row cap by score, table-wise: 2 ranks and a resume keep what one process keeps.
+    one = load(runs, "scored", "lfu_table_wise", 1)
+    assert sum(c["t0"]["evicted"] for c in one["counts"]) > 5 and len(one["stored"]["t0"]) <= 25
+    for label in ("lfu_table_wise", "lfu_table_wise+resumed"):
+        for world in (1, 2):
+            run = load(runs, "scored", label, world)
+            assert run["stored"] == one["stored"] and run["floors"] == one["floors"], (label, world)
+            for name, rows in one["rows"].items():
+                torch.testing.assert_close(run["rows"][name], rows, atol=1e-5, rtol=0)
     refusal = torch.load(runs / "kstep_data_time_refusal.pt")
     assert "tables ['t1']: an Expiry ttl in data time is not supported under sparse_sync='k_step'" in refusal
     # Row-wise, each rank expired its own share; the counts add up to one process's.

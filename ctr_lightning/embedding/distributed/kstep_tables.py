@@ -68,6 +68,9 @@ class KStepTables(TableEngine):
         if data_parallel:
             raise ValueError(f"tables {data_parallel}: data_parallel sharding needs sparse_sync='step'; under 'k_step' "
                              f"every rank trains a local copy of the rows it touches already")
+        if setup.scored_tables:
+            raise ValueError(f"tables {setup.scored_tables}: a row cap by score is not supported under "
+                             f"sparse_sync='k_step' yet; use Expiry(score='lru'), or sparse_sync='step'")
         if setup.timed_tables:
             # The owners would need every step's newest event time over the ranks at each merge.
             raise ValueError(f"tables {setup.timed_tables}: an Expiry ttl in data time is not supported under "

@@ -78,6 +78,10 @@ class ShardedTables(TableEngine):
         self.rank = dist.get_rank(process_group)
         self.module_name = setup.module_name
         self.timed = bool(setup.timed_tables)  # a ttl in data time: event times are all-reduced
+        if setup.click_tables and process_group.size() > 1:
+            # An owner sees the ids of every rank's batch, but not their labels.
+            raise ValueError(f"tables {setup.click_tables}: Expiry(score='show_click') counts clicks from the labels, "
+                             f"which do not travel to the tables' owners yet; use score='lfu' when sharded")
         self.is_weighted = setup.is_weighted
         self.feature_names = [f for t in tables for f in t.feature_names]
         self.dims = [t.embedding_dim for t in tables for _ in t.feature_names]

@@ -42,6 +42,8 @@ class LifecycleState:
             out["sightings"] = {name: torch.from_numpy(c) for name, c in counts.items()}
         if self.setup.expiry:
             out["expiry"] = engine().expiry_floors()
+        if self.setup.scored_tables:  # for readers of the file alone (export): their floors rank scores
+            out["expiry_scored"] = list(self.setup.scored_tables)
         if self.setup.timed_tables:
             clock = engine().expiry_clock()
             if clock:

@@ -17,6 +17,13 @@ from ctr_lightning.embedding.expiry_config import Expiry
 STAMP_WORDS = 2
 _LOW_BITS = 24
 _NO_FLOOR = -1  # tables without expiry: every stored row stays
+# Tables kept by a score: one float after the stamp, log2 of the row's score scaled by
+# decay^-step (so a decay that ages every score alike never reorders them, and no stored
+# score is touched at a step). Rows rank by that key in buckets of 1/16 of a doubling.
+SCORE_WORDS = 1
+SCORE_BUCKETS = 16
+_NEVER = -(1 << 62)  # the rank of a row never looked up in training: below every floor
+_LOWEST = -(1 << 61)  # a score table's first floor: every row looked up is live
 
 
 def read_last_seen(rows: torch.Tensor | np.ndarray, column: int) -> np.ndarray:
@@ -24,6 +31,11 @@ def read_last_seen(rows: torch.Tensor | np.ndarray, column: int) -> np.ndarray:
     words = rows[:, column : column + STAMP_WORDS]
     words = words.cpu().numpy() if isinstance(words, torch.Tensor) else np.asarray(words)
     return (words[:, 0].astype(np.int64) << _LOW_BITS) + words[:, 1].astype(np.int64) - 1
+
+
+def score_bucket(keys: np.ndarray) -> np.ndarray:
+    """The rank bucket of score keys (log2 of scaled scores)."""
+    return np.floor(np.asarray(keys, dtype=np.float64) * SCORE_BUCKETS).astype(np.int64)
 
 
 def stamp_words(steps: np.ndarray | int) -> np.ndarray:
@@ -52,7 +64,7 @@ class RowExpiry:
 
         expiry = RowExpiry(["user", "ad"], [Expiry(ttl=1000), None], stamp_column=96)
         live = expiry.live(tables, rows)          # rows read from any tier
-        expiry.looked_up(tables, last_seen, step) # a training lookup's rows
+        expiry.relooked(tables, before, after)    # a training lookup's rows: rank keys before, after
         expiry.advance(steps, event_time)         # after the step: floors raised
     """
 
@@ -64,6 +76,18 @@ class RowExpiry:
         self.column = stamp_column
         n = len(self.names)
         self.stamped = np.array([s is not None for s in self.settings], dtype=bool)
+        self.scored = np.array([s is not None and s.scored for s in self.settings], dtype=bool)
+        for name, scored, world in zip(self.names, self.scored, worlds):
+            if scored and world > 1:
+                raise ValueError(f"table {name!r}: a row cap by score on a table sharded row-wise over {world} ranks is "
+                                 f"not supported yet; shard it table_wise, or use Expiry(score='lru')")
+        # Per scored table: log2 of the decay's gain a step, and what a show and a click add.
+        self.gain = np.array([-np.log2(s.decay) if s is not None else 0.0 for s in self.settings])
+        self.clicks_count = np.array([s is not None and s.score == "show_click" for s in self.settings], dtype=bool)
+        self.show_weight = np.array([s.nonclick_weight if s is not None and s.score == "show_click" else 1.0
+                                     for s in self.settings])
+        self.click_weight = np.array([s.click_weight if s is not None and s.score == "show_click" else 1.0
+                                      for s in self.settings])
         self.ttl = np.array([s.ttl_steps if s is not None and s.ttl_steps is not None else -1
                              for s in self.settings], dtype=np.int64)
         self.ttl_seconds = np.array([s.ttl_seconds if s is not None and s.ttl_seconds is not None else -1.0
@@ -82,7 +106,7 @@ class RowExpiry:
         # Tables whose rows go count their live rows per last-lookup step (stamped tables that
         # expire nothing would count without end, and need no count).
         self.counting = (self.ttl >= 0) | self.timed | (self.max_rows >= 0)
-        self.floor = np.where(self.stamped, 0, _NO_FLOOR).astype(np.int64)
+        self.floor = np.where(self.scored, _LOWEST, np.where(self.stamped, 0, _NO_FLOOR)).astype(np.int64)
         # Live rows per last-lookup step: counts[t][k] rows last looked up at step base[t] + k.
         self.counts: list[np.ndarray] = [np.zeros(0, dtype=np.int64) for _ in range(n)]
         self.base = np.zeros(n, dtype=np.int64)
@@ -103,7 +127,36 @@ class RowExpiry:
         """Which of these stored rows (``[n, width]``, of local ``tables``) are still there."""
         if not len(tables):
             return np.ones(0, dtype=bool)
-        return self.last_seen(rows) >= self.floor[tables]
+        return self.rank_keys(tables, rows) >= self.floor[tables]
+
+    def rank_keys(self, tables: np.ndarray, rows: torch.Tensor | np.ndarray, column: int | None = None) -> np.ndarray:
+        """What a row's floor applies to: its last lookup step, or in a table kept by a score,
+        its score's bucket (rows never looked up in training: below every floor). ``rows``
+        hold the stamp at ``column`` (default: the group's) and, scored, the key after it."""
+        column = self.column if column is None else column
+        last = read_last_seen(rows, column)
+        if not self.scored.any():
+            return last
+        scored = np.flatnonzero(self.scored[tables])
+        if len(scored):
+            words = rows[scored, column + STAMP_WORDS]
+            keys = words.cpu().numpy() if isinstance(words, torch.Tensor) else np.asarray(words)
+            last[scored] = np.where(last[scored] < 0, _NEVER, score_bucket(keys))
+        return last
+
+    def scores(self, tables: np.ndarray, last_seen: np.ndarray, keys: np.ndarray, shows: np.ndarray,
+               clicks: np.ndarray | None, step: np.ndarray) -> np.ndarray:
+        """The score keys of rows of scored tables after a training lookup at ``step[t]``:
+        each adds its ``shows`` (occurrences in the batch) and, for show/click, its
+        ``clicks``, to the score it had (``keys``, where live; a row new or back starts at 0)."""
+        gain = step[tables] * self.gain[tables]
+        if clicks is None:
+            clicks = np.zeros(len(tables))
+        added = np.where(self.clicks_count[tables],
+                         self.show_weight[tables] * (shows - clicks) + self.click_weight[tables] * clicks, shows)
+        had = (last_seen >= 0) & (score_bucket(keys) >= self.floor[tables])
+        before = np.where(had, keys.astype(np.float64), -np.inf)
+        return np.logaddexp2(before, np.log2(np.maximum(added, 1e-30)) + gain).astype(np.float32)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -117,30 +170,33 @@ class RowExpiry:
 
     # -- a training step -------------------------------------------------------------------
 
-    def looked_up(self, tables: np.ndarray, last_seen: np.ndarray, step: np.ndarray) -> None:
-        """A training lookup's stored rows (unique), each last looked up at ``last_seen``
-        before (-1 or below the floor: new, or back after expiring), now at ``step[t]``."""
-        self.relooked(tables, last_seen, step[tables])
-
     def relooked(self, tables: np.ndarray, before: np.ndarray, after: np.ndarray) -> None:
-        """Stored rows (unique) last looked up at ``before`` (-1 or below the floor: new, or
-        back after expiring) are now last looked up at ``after``, row by row (k-step tables'
-        merges bring each row's newest lookup on any rank)."""
+        """Stored rows (unique) whose rank keys (:meth:`rank_keys`: last lookup step, or score
+        bucket) were ``before`` (below the floor: new, or back after expiring) are ``after``
+        now, row by row (a training lookup; k-step tables' merges bring each row's newest
+        lookup on any rank)."""
         for t in np.unique(tables[self.counting[tables]]):
             mine = tables == t
             old, new = before[mine], after[mine]
             self._add(int(t), old[old >= self.floor[t]], -1)
             self._add(int(t), new[new >= self.floor[t]], +1)
 
-    def _add(self, t: int, steps: np.ndarray, sign: int) -> None:
-        if not len(steps):
+    def _add(self, t: int, keys: np.ndarray, sign: int) -> None:
+        """Count rows at rank keys (steps, or score buckets) in or out."""
+        if not len(keys):
             return
-        end = int(steps.max()) + 1 - self.base[t]
+        lo = int(keys.min())
+        if not len(self.counts[t]):
+            self.base[t] = lo
+        elif lo < self.base[t]:  # a score below every one counted yet (steps only grow)
+            self.counts[t] = np.concatenate([np.zeros(int(self.base[t]) - lo, dtype=np.int64), self.counts[t]])
+            self.base[t] = lo
+        end = int(keys.max()) + 1 - self.base[t]
         if end > len(self.counts[t]):
             grown = np.zeros(max(end, 2 * len(self.counts[t]), 64), dtype=np.int64)
             grown[: len(self.counts[t])] = self.counts[t]
             self.counts[t] = grown
-        np.add.at(self.counts[t], steps - self.base[t], sign)
+        np.add.at(self.counts[t], keys - self.base[t], sign)
 
     def advance(self, clock: np.ndarray, event_time: float | None = None,
                 stamped: np.ndarray | None = None) -> None:
@@ -157,7 +213,8 @@ class RowExpiry:
                 floor = max(floor, self._time_floor(int(t)))
             ttl_floor = floor
             if self.max_rows[t] >= 0 and not self.shared_cap[t]:
-                floor = max(floor, self._cap_floor(int(t), floor, int(clock[t])))
+                floor = max(floor, self._score_cap_floor(int(t)) if self.scored[t] else
+                            self._cap_floor(int(t), floor, int(clock[t])))
             self._raise_floor(int(t), ttl_floor, floor)
 
     def _observe(self, stamped: np.ndarray, event_time: float | None) -> None:
@@ -217,12 +274,27 @@ class RowExpiry:
                              f"than Expiry.max_rows ({int(self.max_rows[t])}); raise max_rows")
         return floor + int(fits[0])
 
+    def _score_cap_floor(self, t: int) -> int:
+        """The lowest score bucket whose rows, with all higher ones, fit ``max_rows``."""
+        counts, base, floor = self.counts[t], int(self.base[t]), int(self.floor[t])
+        start = max(floor - base, 0)
+        live = counts[start:]
+        newer = np.cumsum(live[::-1])[::-1]  # rows in that bucket or higher
+        if not len(live) or newer[0] <= self.max_rows[t]:
+            return floor
+        fits = np.flatnonzero(newer <= self.max_rows[t])
+        if not len(fits):
+            raise ValueError(f"table {self.names[t]!r}: more rows than Expiry.max_rows ({int(self.max_rows[t])}) share "
+                             f"the highest score; raise max_rows")
+        return base + start + int(fits[0])
+
     def _raise_floor(self, t: int, ttl_floor: int, floor: int) -> None:
         old = int(self.floor[t])
         if floor <= old:
             return
-        gone = self.window(t, old, floor)
-        by_ttl = int(gone[: max(0, ttl_floor - old)].sum())
+        lo = max(old, int(self.base[t]))  # nothing is counted below the base (a score table's first floor is far)
+        gone = self.window(t, lo, floor) if floor > lo else np.zeros(0, dtype=np.int64)
+        by_ttl = int(gone[: max(0, ttl_floor - lo)].sum())
         name = self.names[t]
         self.per_table[name]["expired"] += by_ttl
         self.per_table[name]["evicted"] += int(gone.sum()) - by_ttl
@@ -285,9 +357,9 @@ class RowExpiry:
         """Count the live rows per last-lookup step anew from every stored row (after a load):
         ``chunks()`` yields ``(tables, ids, rows)``."""
         self.counts = [np.zeros(0, dtype=np.int64) for _ in self.names]
-        self.base = np.where(self.stamped, np.maximum(self.floor, 0), 0).astype(np.int64)
+        self.base = np.where(self.stamped & ~self.scored, np.maximum(self.floor, 0), 0).astype(np.int64)
         for tables, _, rows in chunks():
-            last = self.last_seen(rows)
+            last = self.rank_keys(tables, rows)
             keep = self.counting[tables] & (last >= self.floor[tables])
             for t in np.unique(tables[keep]):
                 self._add(int(t), last[keep & (tables == t)], +1)

@@ -119,6 +119,11 @@ class TierStack:
             held["dram_bytes"] += self.ssd.index_bytes
         return held
 
+    def rank_by(self, rank: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> None:
+        """What the expiry floors apply to in the SSD log's records (RowExpiry.rank_keys)."""
+        if isinstance(self.ssd, SsdLog):
+            self.ssd.rank = rank
+
     def expire_below(self, floors: np.ndarray) -> None:
         """Rows last looked up before ``floors[t]`` are gone (see RowExpiry): the SSD log's
         cleaning deletes their records from now on, in its thread."""

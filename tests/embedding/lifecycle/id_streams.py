@@ -38,15 +38,18 @@ def occurrences_kept(steps, keep) -> list[list[tuple[np.ndarray, np.ndarray]]]:
     return out
 
 
-def train(ebc, steps, times=None) -> list[torch.Tensor]:
+def train(ebc, steps, times=None, labels=None) -> list[torch.Tensor]:
     """Each step's pooled output, then a backward of a fixed linear loss (so a row's
     updates depend on its own occurrences alone); returns the outputs. ``times``: each
-    step's event time, handed to the collection before its forward."""
+    step's event time, ``labels`` its examples' labels, handed to the collection before
+    its forward."""
     weights = torch.randn(16, generator=torch.Generator().manual_seed(1))
     outputs = []
     for k, features in enumerate(steps):
         if times is not None:
             ebc.observe_event_time(times[k])
+        if labels is not None:
+            ebc.observe_labels(torch.from_numpy(labels[k]))
         pooled = ebc(kjt(features)).values()
         outputs.append(pooled.detach().clone())
         (pooled @ weights).sum().backward()

@@ -128,6 +128,101 @@ def test_a_ttl_in_data_time_without_event_times_names_the_table(tmp_path):
     assert Expiry(ttl="1.5h").ttl_seconds == 5400 and Expiry(ttl=3).ttl_steps == 3
 
 
+def score_lives(steps, labels, max_rows, score, decay=1.0, click_weight=1.0, nonclick_weight=0.1):
+    """What a score cap must keep, computed apart from the library: per table each id's
+    score key (log2 of its score scaled by decay^-step, kept as float32 as a row keeps it),
+    16 buckets a doubling, the floor the lowest bucket whose rows with all higher fit
+    ``max_rows``; each live id's current life's first step, and the ids gone."""
+    gain = -np.log2(decay)
+    key, began = [{}, {}], [{}, {}]
+    floor = [None, None]
+    for clock, features in enumerate(steps):
+        for t, (lengths, ids) in enumerate(features):
+            examples = np.repeat(np.arange(len(lengths)), lengths)
+            for i in np.unique(ids).tolist():
+                where = ids == i
+                shows = float(where.sum())
+                clicks = float(labels[clock][examples[where]].sum())
+                added = nonclick_weight * (shows - clicks) + click_weight * clicks if score == "show_click" else shows
+                fresh = np.log2(added) + clock * gain
+                alive = i in key[t] and (floor[t] is None or np.floor(key[t][i] * 16) >= floor[t])
+                if not alive:
+                    began[t][i] = clock
+                before = np.float64(key[t][i]) if alive else -np.inf
+                key[t][i] = np.float32(np.logaddexp2(before, fresh))
+            live = {i: int(np.floor(np.float64(k) * 16)) for i, k in key[t].items()
+                    if floor[t] is None or np.floor(np.float64(k) * 16) >= floor[t]}
+            buckets = sorted(set(live.values()))
+            for b in buckets:  # the lowest bucket that, with all higher, fits
+                if sum(1 for v in live.values() if v >= b) <= max_rows:
+                    if sum(1 for v in live.values()) > max_rows:
+                        floor[t] = b if floor[t] is None else max(floor[t], b)
+                    break
+    live = [{i: began[t][i] for i, k in key[t].items() if floor[t] is None or np.floor(np.float64(k) * 16) >= floor[t]}
+            for t in range(2)]
+    gone = [{i for i in key[t] if i not in live[t]} for t in range(2)]
+    return live, gone
+
+
+@pytest.mark.parametrize("score,decay", [("lfu", 1.0), ("show_click", 0.97)])
+def test_a_score_cap_keeps_the_highest_scoring_rows_trained_from_their_return(tmp_path, score, decay):
+    steps = stream(seed=5, steps=30)
+    rng = np.random.default_rng(5)
+    labels = [(rng.random(BATCH) < 0.3).astype(np.float32) for _ in steps]
+    expiry = Expiry(max_rows=40, score=score, decay=decay)
+    ebc = collection(tmp_path, "s", expiry=expiry)
+    train(ebc, steps, labels=labels)
+    live, gone = score_lives(steps, labels, 40, score, decay)
+    assert all(len(live[t]) <= 40 for t in range(2))
+    reference = collection(tmp_path, "r")
+    train(reference, from_life_start(steps, live))
+    check_rows(ebc, reference, live, gone)
+    assert ebc.tier_stats()["rows_evicted"] > 10 and ebc.tier_stats()["ssd_hits"] > 0
+    # A resume from the state dict keeps and drops what the uninterrupted run does.
+    first = collection(tmp_path, "a", expiry=expiry)
+    train(first, steps[:17], labels=labels[:17])
+    first.checkpoint_to_snapshots(None)
+    resumed = collection(tmp_path, "b", expiry=expiry)
+    resumed.load_state_dict(first.state_dict())
+    train(resumed, steps[17:], labels=labels[17:])
+    for t, name in enumerate(("t0", "t1")):
+        ids = sorted(live[t]) + sorted(gone[t])
+        torch.testing.assert_close(resumed.rows(name, ids), ebc.rows(name, ids), atol=0, rtol=0)
+        assert resumed.expiry_counts()[name]["rows"] == len(live[t])
+
+
+def test_a_score_table_exports_its_live_rows_whole_and_refuses_a_delta(tmp_path):
+    from ctr_lightning.serving import read_export
+    from ctr_lightning.serving_export import export_for_serving
+
+    steps = stream(seed=6, steps=20)
+    ebc = collection(tmp_path, "e", expiry=Expiry(max_rows=30, score="lfu", decay=0.9))
+    train(ebc, steps)
+    ebc.checkpoint_to_snapshots(None)
+    ckpt = tmp_path / "model.ckpt"
+    torch.save({"state_dict": {"tables._extra_state": ebc.state_dict()["_extra_state"]},
+                "hyper_parameters": {"embedding_dim": 8}}, ckpt)
+    export_for_serving(ckpt, tmp_path / "full")
+    served = read_export(tmp_path / "full")
+    stored = {name: sorted(s["ids"].tolist()) for name, s in ebc.state_dict()["_extra_state"]["tables"].items()}
+    assert {n: t.ids.tolist() for n, t in served.tables.items()} == stored
+    assert len(stored["t0"]) == ebc.expiry_counts()["t0"]["rows"] <= 30
+    with pytest.raises(ValueError, match=r"tables \['t0', 't1'\] keep rows by a score"):
+        export_for_serving(ckpt, tmp_path / "delta", since=tmp_path / "full")
+
+
+def test_bad_score_settings_are_named(tmp_path):
+    with pytest.raises(ValueError, match="give max_rows, and no ttl"):
+        Expiry(score="lfu")
+    with pytest.raises(ValueError, match="give max_rows, and no ttl"):
+        Expiry(ttl=3, max_rows=10, score="lfu")
+    with pytest.raises(ValueError, match="Expiry.decay must be in"):
+        Expiry(max_rows=10, score="lfu", decay=0.0)
+    ebc = collection(tmp_path, "c", expiry={"t1": Expiry(max_rows=50, score="show_click")})
+    with pytest.raises(ValueError, match="table 't1': Expiry.score='show_click'.* without its labels"):
+        train(ebc, stream(steps=1))
+
+
 def test_max_rows_keeps_the_most_recently_looked_up_rows(tmp_path):
     steps = stream(seed=1)
     ebc = collection(tmp_path, "m", expiry=Expiry(max_rows=60))

@@ -14,9 +14,9 @@ from ctr_lightning.embedding.lifecycle.row_expiry import read_last_seen
 from ctr_lightning.embedding.tiers.ssd.directory_lock import DirectoryLock
 from ctr_lightning.embedding.tiers.ssd.location_index import LocationIndex
 from ctr_lightning.embedding.tiers.ssd.record_io import transfer_records
-from ctr_lightning.embedding.tiers.ssd.ssd_log_cleaner import LogCleaner
-from ctr_lightning.embedding.tiers.ssd.ssd_log_segments import (BACKGROUND_READ_MIN, HEADER_WORDS, KEY, Segment, SegmentFiles,
-                                                      make_records, record_keys)
+from ctr_lightning.embedding.tiers.ssd.ssd_log_cleaner import LogCleaner, Rank
+from ctr_lightning.embedding.tiers.ssd.ssd_log_segments import (BACKGROUND_READ_MIN, HEADER_WORDS, KEY, NO_RECORD, Segment,
+                                                             SegmentFiles, make_records, record_keys)
 from ctr_lightning.embedding.tiers.ssd.ssd_log_snapshots import LogSnapshots
 from ctr_lightning.embedding.tiers.ssd.ssd_tier import Entries, Relocated, SealedSegment, claim_directory
 
@@ -64,12 +64,14 @@ class SsdLog:
         self.segment_records = max(1, segment_bytes // self.record_bytes)
         self.index = LocationIndex()
         self.files = SegmentFiles(self.directory, name, table_names, self.record_words, self.segment_records)
-        # Where rows expire: the column of a row's last lookup step, and per table the floor
-        # below which rows are gone (set by the training thread; it only rises).
-        self.stamp_column = stamp_column
+        # Where rows expire: each row's rank key (its last lookup step, at stamp_column, or
+        # the group's RowExpiry.rank_keys: a score's bucket too), and per table the floor below
+        # which rows are gone (set by the training thread; it only rises).
+        self.rank: Rank | None = None if stamp_column is None else (
+            lambda tables, rows: read_last_seen(rows, stamp_column))
         self.floors: np.ndarray | None = None
         self.cleaner = LogCleaner(self.files, self.index, self._append, max_garbage, lambda: self.floors,
-                                  stamp_column or 0)
+                                  lambda tables, rows: self.rank(tables, rows))
         self._timing = {"ssd_write_us": 0, "ssd_clean_us": 0}
         # Held while the layout changes and while a prefetch thread locates rows; reading
         # located records needs no lock (their segments are pinned meanwhile).
@@ -210,13 +212,13 @@ class SsdLog:
 
     def _append(self, tables: np.ndarray, ids: np.ndarray, rows: np.ndarray, old: np.ndarray) -> np.ndarray:
         locations = self.files.append(make_records(tables, ids, rows), tables, ids)
-        if self.stamp_column is not None:
-            last = read_last_seen(rows, self.stamp_column)
+        if self.rank is not None:
+            last = self.rank(tables, rows)
             numbers = locations // self.segment_records
             for n in np.unique(numbers).tolist():
                 segment = self.files.segments[n]
                 if segment.newest is None:
-                    segment.newest = np.full(len(self.table_names), -2, dtype=np.int64)
+                    segment.newest = np.full(len(self.table_names), NO_RECORD, dtype=np.int64)
                 mine = numbers == n
                 np.maximum.at(segment.newest, tables[mine], last[mine])
         # Only now do readers see the new copies.

@@ -6,7 +6,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ctr_lightning.embedding.lifecycle.row_expiry import read_last_seen
 from ctr_lightning.embedding.tiers.ssd.location_index import LocationIndex
 from ctr_lightning.embedding.tiers.ssd.ssd_log_segments import BACKGROUND_READ_MIN, HEADER_WORDS, SegmentFiles, record_keys
 from ctr_lightning.embedding.tiers.ssd.ssd_tier import Relocated
@@ -16,6 +15,8 @@ from ctr_lightning.fault_points import reached
 Append = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 # Per table, the floor below which rows are gone (see RowExpiry); None while rows never expire.
 Floors = Callable[[], "np.ndarray | None"]
+# Each record's rank key, which the floor applies to: ``(tables, rows) -> int64`` (RowExpiry.rank_keys).
+Rank = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 class LogCleaner:
@@ -27,7 +28,8 @@ class LogCleaner:
     most ``budget`` records, and a cleaning left half done goes on at the next call, so no
     write waits on a whole segment. Callers hold the log's lock.
 
-    Where rows expire (``floors``, and each row's last lookup step at ``stamp_column``), this
+    Where rows expire (``floors``, and each row's rank key: ``rank``, its last lookup step or
+    its score's bucket), this
     is where their records are deleted: a cleaning drops the records of rows gone instead of
     moving them, and each call first retires sealed segments whose
     every record is of a row gone, up to ``budget`` records of them (from their keys files
@@ -41,13 +43,13 @@ class LogCleaner:
     """
 
     def __init__(self, files: SegmentFiles, index: LocationIndex, append: Append, max_garbage: float,
-                 floors: Floors | None = None, stamp_column: int = 0) -> None:
+                 floors: Floors | None = None, rank: Rank | None = None) -> None:
         self.files = files
         self.index = index
         self.append = append
         self.max_garbage = max_garbage
         self.floors: Floors = floors if floors is not None else (lambda: None)
-        self.stamp_column = stamp_column
+        self.rank = rank
         self.cleaning: tuple[int, int] | None = None  # (segment, next slot) of a cleaning under way
         self.records_moved = 0
         self.records_dropped = 0  # records of rows gone, deleted
@@ -76,7 +78,7 @@ class LogCleaner:
             tables, ids = record_keys(records)
             live = self.index.is_current(tables, ids, locations)
             if floors is not None and live.any():
-                drop = live & (read_last_seen(records[:, HEADER_WORDS:], self.stamp_column) < floors[tables])
+                drop = live & (self.rank(tables, records[:, HEADER_WORDS:]) < floors[tables])
                 moved.append(self._drop(tables[drop], ids[drop], locations[drop]))
                 live &= ~drop
             if live.any():

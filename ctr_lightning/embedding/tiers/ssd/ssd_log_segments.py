@@ -19,6 +19,7 @@ from ctr_lightning.embedding.tiers.ssd.ssd_tier import ssd_error
 from ctr_lightning.fault_points import reached
 
 HEADER_WORDS = 4  # float32 words before a record's row: id (int64), table (int32), unused (int32)
+NO_RECORD = -(1 << 62)  # a segment's newest rank key of a table none of its records belongs to
 # A record's key in the segment's keys file (slot order), so the live records of a sealed
 # segment are known without reading it: a snapshot shares the segment by hard link.
 KEY = np.dtype([("table", "<i4"), ("id", "<i8")])
@@ -76,7 +77,8 @@ class Segment:
     keys_fd: int = -1  # the keys file (each record's (table, id), in slot order): open while appended to
     crc: int = 0  # CRC-32 of the file as written so far (appends only): no re-read to share it
     synced: bool = False  # fsynced since sealed (a snapshot shares it)
-    # Per table, the newest last-lookup step of its records (-2: none), where rows expire;
+    # Per table, the newest rank key of its records (its last lookup step, or a score's
+    # bucket; NO_RECORD: none), where rows expire;
     # None: not known (adopted from a snapshot). A segment whose every table's newest is
     # below that table's floor holds only rows gone (see RowExpiry).
     newest: np.ndarray | None = None
