@@ -151,7 +151,8 @@ def test_admission_and_expiry_are_set_on_the_command_line(in_process, capsys):
 
     model = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]
     assert model["admission"]["admit_after"] == 2
-    assert model["expiry"] == {"ttl": 50000, "max_rows": 1000000}
+    assert {k: model["expiry"][k] for k in ("ttl", "max_rows", "score")} == {"ttl": 50000, "max_rows": 1000000,
+                                                                              "score": "lru"}
 
 
 HELP_CLASSES = [("model", m) for m in ("DLRMModule", "DCNv2Module", "DeepFMModule", "WideDeepModule")] + [

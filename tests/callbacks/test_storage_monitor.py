@@ -50,3 +50,11 @@ def test_expired_and_live_rows_per_table_reach_tensorboard(tmp_path):
     assert events.Scalars(f"storage/live_rows/{table}")[-1].value == counts[table]["rows"] > 0
     assert events.Scalars(f"storage/expired/{table}")[-1].value == counts[table]["expired"] > 0
     assert module.hparams["expiry"] == Expiry(ttl=2)
+
+
+def test_a_show_click_cap_trains_through_the_module_with_its_labels(tmp_path):
+    # CTRModule hands each batch's labels to the tables: a click-counting score works in a fit.
+    module, monitor, events = fit(tmp_path, expiry=Expiry(max_rows=150, score="show_click", decay=0.9))
+    counts = module.embeddings.expiry_counts()
+    assert sum(c["evicted"] for c in counts.values()) > 0 and all(c["rows"] <= 150 for c in counts.values())
+    assert monitor.last["storage/rows_evicted"] == sum(c["evicted"] for c in counts.values())
