@@ -145,12 +145,14 @@ for label in ["row_wise", "row_wise+resumed", "table_wise", "table_wise+resumed"
                     "floors": state["expiry"], "counts": counts}, os.path.join(out_dir, f"expiry_{label}_{world}.pt"))
 def scoring(label):
     return TieredEmbeddingBagCollection(
-        TABLES, optimizer=SparseAdam(lr=0.05), sharding="table_wise", admission=Admission(admit_after=2),
+        TABLES, optimizer=SparseAdam(lr=0.05), sharding=label.split("+")[0].replace("lfu_", ""),
+        admission=Admission(admit_after=2),
         expiry={"t0": Expiry(max_rows=25, score="lfu", decay=0.9), "t1": Expiry(ttl=2)},
         storage=storage("scored_" + label, device_rows=30, ssd_segment_bytes=4096))
 
-for label in ["lfu_table_wise", "lfu_table_wise+resumed"]:
-    # A row cap by score (LFU, decaying): the owner counts every rank's occurrences of its rows.
+for label in ["lfu_table_wise", "lfu_table_wise+resumed", "lfu_row_wise", "lfu_row_wise+resumed"]:
+    # A row cap by score (LFU, decaying): the owners count every rank's occurrences of their
+    # rows; row-wise, the floor is found over every rank's score buckets (SharedRowCaps).
     ebc, rows, state = run(scoring, label, steps=14, cut=7, size=32, at_cut=lambda cut_state: None)
     counts = gathered(ebc.expiry_counts())
     if rank == 0:
@@ -287,15 +289,17 @@ def test_two_ranks_keep_the_rows_one_process_keeps(runs):
             torch.testing.assert_close(resumed["rows"][name], rows, atol=1e-5, rtol=0)
         assert sum(c["t0"]["evicted"] for c in straight["counts"] if "t0" in c) > 0
         assert len(straight["stored"]["t0"]) <= 25
-    # A row cap by score, table-wise: 2 ranks and a resume keep what one process keeps.
+    # A row cap by score, table-wise and row-wise: 2 ranks and a resume keep what one process keeps.
     one = load(runs, "scored", "lfu_table_wise", 1)
     assert sum(c["t0"]["evicted"] for c in one["counts"]) > 5 and len(one["stored"]["t0"]) <= 25
-    for label in ("lfu_table_wise", "lfu_table_wise+resumed"):
+    for label in ("lfu_table_wise", "lfu_table_wise+resumed", "lfu_row_wise", "lfu_row_wise+resumed"):
         for world in (1, 2):
             run = load(runs, "scored", label, world)
             assert run["stored"] == one["stored"] and run["floors"] == one["floors"], (label, world)
             for name, rows in one["rows"].items():
                 torch.testing.assert_close(run["rows"][name], rows, atol=1e-5, rtol=0)
+    two = load(runs, "scored", "lfu_row_wise", 2)
+    assert all(c["t0"]["evicted"] > 0 for c in two["counts"])  # each rank evicted its own share
     refusal = torch.load(runs / "kstep_data_time_refusal.pt")
     assert "tables ['t1']: an Expiry ttl in data time is not supported under sparse_sync='k_step'" in refusal
     # Row-wise, each rank expired its own share; the counts add up to one process's.

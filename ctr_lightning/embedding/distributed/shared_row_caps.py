@@ -58,6 +58,17 @@ class SharedRowCaps:
         excess = {i: int(totals[i]) - int(group.expiry.max_rows[t])
                   for i, (_, group, t) in enumerate(self.tables) if int(totals[i]) > int(group.expiry.max_rows[t])}
         start = {i: int(self.tables[i][1].expiry.floor[self.tables[i][2]]) for i in excess}
+        top: dict[int, int] = {}
+        scored = [i for i in sorted(excess) if self.tables[i][1].expiry.scored[self.tables[i][2]]]
+        if scored:
+            # Score buckets start wherever the lowest score lies: search from the lowest
+            # counted on any rank, up to the highest.
+            spans = torch.tensor([self.tables[i][1].expiry.key_span(self.tables[i][2]) for i in scored],
+                                 dtype=torch.int64)
+            spans[:, 0] = -spans[:, 0]
+            dist.all_reduce(spans, op=dist.ReduceOp.MAX, group=self.process_group)
+            for i, (low, high) in zip(scored, spans.tolist()):
+                start[i], top[i] = max(start[i], -low), high
         found: dict[int, int] = {}
         while excess:
             # Rows per step from each table's search point on, over all ranks; a table's new
@@ -73,10 +84,14 @@ class SharedRowCaps:
                 if len(reached):
                     found[i] = start[i] + int(reached[0]) + 1
                     del excess[i]
+                    if i in top and found[i] > top[i]:  # as one process would refuse it (RowExpiry)
+                        name, group, t = self.tables[i]
+                        raise ValueError(f"table {name!r}: more rows than Expiry.max_rows "
+                                         f"({int(group.expiry.max_rows[t])}) share the highest score; raise max_rows")
                 else:
                     excess[i] -= int(below[-1])
                     start[i] += _CHUNK_STEPS
-                    if start[i] > clock(i) + 1:  # counts past the clock: none
+                    if start[i] > (top[i] if i in top else clock(i)) + 1:  # past every count: none
                         raise RuntimeError(f"table {self.tables[i][0]!r}: the ranks' row counts do not add up "
                                            f"({int(totals[i])} rows live)")
         for i, floor in found.items():

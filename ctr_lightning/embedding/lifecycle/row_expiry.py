@@ -77,10 +77,6 @@ class RowExpiry:
         n = len(self.names)
         self.stamped = np.array([s is not None for s in self.settings], dtype=bool)
         self.scored = np.array([s is not None and s.scored for s in self.settings], dtype=bool)
-        for name, scored, world in zip(self.names, self.scored, worlds):
-            if scored and world > 1:
-                raise ValueError(f"table {name!r}: a row cap by score on a table sharded row-wise over {world} ranks is "
-                                 f"not supported yet; shard it table_wise, or use Expiry(score='lru')")
         # Per scored table: log2 of the decay's gain a step, and what a show and a click add.
         self.gain = np.array([-np.log2(s.decay) if s is not None else 0.0 for s in self.settings])
         self.clicks_count = np.array([s is not None and s.score == "show_click" for s in self.settings], dtype=bool)
@@ -243,6 +239,15 @@ class RowExpiry:
         within = known[times[known] >= self.newest - self.ttl_seconds[t]]
         return int(self.time_base[t]) + int(within[0]) if len(within) else int(self.floor[t])
 
+    def key_span(self, t: int) -> tuple[int, int]:
+        """The lowest and highest rank key a live row of table ``t`` may have here (an empty
+        span, lowest above highest, where none is counted)."""
+        start = max(int(self.floor[t]) - int(self.base[t]), 0)
+        held = np.flatnonzero(self.counts[t][start:])
+        if not len(held):
+            return 1 << 61, -(1 << 61)
+        return int(self.base[t]) + start + int(held[0]), int(self.base[t]) + start + int(held[-1])
+
     def live_total(self, t: int) -> int:
         """Live rows of table ``t``, this process's."""
         return int(self.counts[t][max(0, self.floor[t] - self.base[t]):].sum())
@@ -250,7 +255,7 @@ class RowExpiry:
     def raise_cap_floor(self, t: int, floor: int, clock: int) -> None:
         """A row cap's floor, found over every rank's counts (SharedRowCaps): the rows of
         steps below it are evicted."""
-        if floor > clock - 1:
+        if not self.scored[t] and floor > clock - 1:
             raise ValueError(f"table {self.names[t]!r}: one training batch touched more rows than Expiry.max_rows "
                              f"({int(self.max_rows[t])}) over all ranks; raise max_rows")
         self._raise_floor(t, int(self.floor[t]), floor)
