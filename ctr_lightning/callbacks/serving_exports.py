@@ -57,11 +57,12 @@ class ServingExport(Callback):
         if self.dirpath is None:
             self.dirpath = Path(trainer.log_dir or trainer.default_root_dir) / "serving"
         unstamped = sorted(t.name for c in tiered_collections(pl_module, "ServingExport")
-                           for t in c.embedding_bag_configs() if t.name not in c.stamped_tables)
+                           for t in c.embedding_bag_configs() if t.name not in c.delta_tables)
         if self.full_every > 1 and unstamped:
             raise ValueError(f"ServingExport(full_every={self.full_every}) writes deltas, which need tables that record "
-                             f"each row's last lookup step, but tables {unstamped[:5]} do not; give the model "
-                             f"expiry=Expiry() (nothing expires), or set full_every=1 to write every export whole")
+                             f"each row's last lookup step and keep rows by recency, but tables {unstamped[:5]} do "
+                             f"not; give the model expiry=Expiry() (nothing expires; not Expiry(score=...), whose "
+                             f"evictions a delta cannot name), or set full_every=1 to write every export whole")
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -422,10 +422,11 @@ class TieredEmbeddingBagCollection(nn.Module):
         return self._built().counters()
 
     @property
-    def stamped_tables(self) -> set[str]:
-        """Tables whose rows record their last lookup step (those with an :class:`Expiry`):
-        the ones delta exports for serving can follow."""
-        return set(self._setup.expiry)
+    def delta_tables(self) -> set[str]:
+        """Tables delta exports for serving can follow: their rows record their last lookup
+        step (an :class:`Expiry`) and no score evicts them (a score's evictions are no range
+        of last lookups)."""
+        return set(self._setup.expiry) - set(self._setup.scored_tables)
 
     def observe_labels(self, labels: torch.Tensor) -> None:
         """The labels of the training batch about to run, for tables whose :class:`Expiry`

@@ -129,3 +129,8 @@ def test_a_full_export_reads_without_torch_and_a_delta_needs_stamped_tables(tmp_
         export(tmp_path, "p", 8, tmp_path / "delta", since=tmp_path / "full")
     with pytest.raises(ValueError, match=r"tables \['t_C1', .* do not"):
         ServingExport(tmp_path / "x").setup(pl.Trainer(logger=False), plain, "fit")
+    scored = DLRMModule(embedding_dim=4, num_embeddings=1000, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1],
+                        expiry=Expiry(max_rows=100, score="lfu"))
+    with pytest.raises(ValueError, match=r"keep rows by recency, but tables \['t_C1', .*Expiry\(score=...\)"):
+        ServingExport(tmp_path / "y").setup(pl.Trainer(logger=False), scored, "fit")
+    ServingExport(tmp_path / "z", full_every=1).setup(pl.Trainer(logger=False), scored, "fit")  # whole: fine
