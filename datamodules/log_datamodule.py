@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -10,8 +11,10 @@ import lightning.pytorch as pl
 import torch
 
 from ctr_lightning.datamodules.bad_lines import BadFilePolicy, BadLinePolicy
+from ctr_lightning.datamodules.event_time_slices import EventTimeSlice, cut_event_time_slices
 from ctr_lightning.datamodules.row_index import FileIndex, default_index_dir
-from ctr_lightning.datamodules.sources import expand_paths, time_slices
+from ctr_lightning.embedding.expiry_config import parse_duration
+from ctr_lightning.datamodules.sources import expand_paths, slice_event_time, slice_name, time_slices
 from ctr_lightning.datamodules.batch_loader import BatchDataLoader
 from ctr_lightning.datamodules.followed_log import FollowedLog, Readiness
 from ctr_lightning.datamodules.log_format import LogFormat
@@ -44,7 +47,16 @@ class LogDataModule(pl.LightningDataModule):
             ``logs/dt=2026-12-01/part-*.parquet``, one partition a day, in date order);
             epoch k trains on slice k and validates on slice k + 1 (progressive
             validation). Needs ``Trainer(reload_dataloaders_every_n_epochs=1)`` and no
-            ``val_paths``.
+            ``val_paths``. With ``slice_every``, the slices are windows of event time instead.
+        slice_every: in ``online`` mode, cut the training records into time slices of this
+            much event time (``"1h"``, ``"1d"``, ``"30m"``; windows aligned to UTC), by each
+            record's event time (the reader's ``event_time_column``, or ``partition_time``),
+            whatever the files: one big file, or files that each span many hours. Records
+            keep their read order (files in name order, lines in file order); a slice starts
+            at the first record whose event time reaches its window, so a late record trains
+            in the slice it is read in. Costs one read of the training files at set-up; the
+            cuts are cached with the record counts (``index_dir``). Slices are named by their
+            start (``2026-12-01T05:00:00Z``) and timed by it in ``ProgressiveValidation``.
         follow: train on a log as it lands: epoch k trains the k-th complete time slice
             of ``train_paths`` (a directory, glob or Hive partitions, in partition order;
             see :class:`FollowedLog`: a ``_SUCCESS`` marker, or sizes stable over two polls).
@@ -105,8 +117,11 @@ class LogDataModule(pl.LightningDataModule):
         stop_file: str | None = None,
         ready: Readiness = "auto",
         partition_time: bool = False,
+        slice_every: str | None = None,
     ) -> None:
         super().__init__()
+        self.slice_seconds = _slice_seconds(slice_every, online, follow)
+        self.slice_every = slice_every
         if follow and (online or not train_paths):
             raise ValueError("follow mode trains the slices of train_paths as they land: give train_paths, and not "
                              "online (follow is the online mode of a log still being written)")
@@ -146,6 +161,9 @@ class LogDataModule(pl.LightningDataModule):
         self.files: dict[str, list[str]] = {}
         self._indexes: dict[str, FileIndex] = {}  # per path: its record count, from the cache or counted
         self.epoch_files: dict[str, list[str]] = {}  # what each split's latest loader reads
+        # Each split's latest slice of data: its name and event time (online mode, for ProgressiveValidation).
+        self.epoch_slices: dict[str, tuple[str, float | None]] = {}
+        self.event_time_slices: list[EventTimeSlice] | None = None  # online mode with slice_every
         self._train_loader: BatchDataLoader | None = None
         self._sync_process_group: Any = None  # set up in a distributed fit, to keep ranks' batch counts equal
         self._resume: dict[str, Any] | None = None  # a checkpoint's position, until used
@@ -170,6 +188,8 @@ class LogDataModule(pl.LightningDataModule):
         for split, paths in self.paths.items():
             if paths and not (split == "train" and self.followed is not None):  # still landing
                 self._index(expand_paths(paths, what=f"{split}_paths"))
+        if self.slice_seconds is not None:
+            self._cut_event_time_slices(expand_paths(self.paths["train"], what="train_paths"))
 
     def setup(self, stage: str) -> None:
         for split in _STAGES[stage]:
@@ -204,30 +224,64 @@ class LogDataModule(pl.LightningDataModule):
                              f"{trainer.reload_dataloaders_every_n_epochs}")
         if self.followed is not None:
             return
+        if self.slice_seconds is not None:
+            slices = self._cut_event_time_slices(self.files["train"])
+            if len(slices) < 2:
+                raise ValueError(f"online mode needs at least two time slices: the records of train_paths "
+                                 f"{self.paths['train']!r} span {len(slices)} window of slice_every "
+                                 f"{self.slice_every!r}")
+            return
         days = time_slices(self.files["train"])
         if len(days) < 2:
             raise ValueError(f"online mode needs at least two time slices in train_paths, got {days}")
 
+    def _cut_event_time_slices(self, files: list[str]) -> list[EventTimeSlice]:
+        if self.event_time_slices is None:
+            self._index(files)
+            # What decides which lines are accepted and what time they hold keys the cached cuts.
+            settings = {k: v for k, v in self.hparams.items() if k not in ("batch_size", "num_workers")}
+            self.event_time_slices = cut_event_time_slices(
+                [self._indexes[f] for f in files], self.format, int(self.slice_seconds),
+                json.dumps([type(self).__name__, settings], sort_keys=True, default=str),
+                partition_time=self.partition_time, cache_dir=self.index_dir)
+        return self.event_time_slices
+
     def online_files(self, split: str) -> list[str]:
         """This epoch's slice: day k for training, day k + 1 for validation."""
-        days = time_slices(self.files["train"])
+        return [p.path for p in self._online_slice(split)[1]]
+
+    def _online_slice(self, split: str) -> tuple[tuple[str, float | None], list[FileIndex], list[str]]:
+        """This epoch's slice (slice k trains, slice k + 1 validates): its name and start, the
+        parts of files it reads, and how a checkpoint names them."""
         epoch = self._current_epoch()
         day = epoch + (1 if split == "val" else 0)
+        if self.slice_seconds is not None:
+            slices = self._cut_event_time_slices(self.files["train"])
+            if day >= len(slices):
+                raise ValueError(f"online mode: epoch {epoch} needs time slice {day}, but train_paths' event times "
+                                 f"span {len(slices)} windows of {self.slice_every} ({slices[0].name} .. "
+                                 f"{slices[-1].name}); use max_epochs <= {len(slices) - 1}")
+            chosen = slices[day]
+            return (chosen.name, float(chosen.start)), list(chosen.parts), chosen.describe()
+        days = time_slices(self.files["train"])
         if day >= len(days):
             raise ValueError(f"online mode: epoch {epoch} needs time slice {day}, but train_paths has "
                              f"{len(days)} ({days[0][0]} .. {days[-1][-1]}); use max_epochs <= {len(days) - 1}")
-        return days[day]
+        files = days[day]
+        return (slice_name(files), slice_event_time(files)), [self._indexes[f] for f in files], files
 
     def _dataloader(self, split: str) -> BatchDataLoader:
         if split not in self.files and not (self.online and split == "val"):
             self.setup({"train": "fit", "val": "validate"}.get(split, split))
-        if split == "train" and self.followed is not None:
-            files = self.followed_files()
+        if self.online:
+            named, parts, files = self._online_slice(split)
         else:
-            files = self.files[split] if not self.online else self.online_files(split)
+            files = self.followed_files() if split == "train" and self.followed is not None else self.files[split]
+            named, parts = (slice_name(files), slice_event_time(files)) if files else ("", None), \
+                [self._indexes[f] for f in files]
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        self.epoch_files[split] = files
+        self.epoch_files[split], self.epoch_slices[split] = files, named
         skip = self._take_resume(files, rank, world) if split == "train" else None
         if skip:
             # The batches of this epoch trained before the resume: the new loader's log of
@@ -237,9 +291,9 @@ class LogDataModule(pl.LightningDataModule):
         elif split == "train":
             self._resumed = None
         dataset = LogStreamDataset(
-            files, self.format, batch_size=self.batch_size, rank=rank, world_size=world, bad_lines=self.bad_lines,
-            skip_batches=skip, epoch=self._current_epoch(), max_bad_fraction=self.max_bad_fraction,
-            files=[self._indexes[f] for f in files], bad_files=self.bad_files,
+            list(dict.fromkeys(p.path for p in parts)), self.format, batch_size=self.batch_size, rank=rank,
+            world_size=world, bad_lines=self.bad_lines, skip_batches=skip, epoch=self._current_epoch(),
+            max_bad_fraction=self.max_bad_fraction, files=parts, bad_files=self.bad_files,
             seed=self.shuffle_seed, rotate=self.shuffle_shards and split == "train", numbered=split == "predict",
             partition_time=self.partition_time and split == "train",
         )
@@ -368,6 +422,23 @@ class LogDataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> BatchDataLoader:
         return self._dataloader("predict")
+
+
+def _slice_seconds(slice_every: str | None, online: bool, follow: bool) -> float | None:
+    """``slice_every`` in seconds; refused outside online mode, where nothing is sliced."""
+    if slice_every is None:
+        return None
+    if not online or follow:
+        raise ValueError(f"slice_every={slice_every!r} cuts online mode's time slices by event time: set online "
+                         f"true (follow mode takes each landing file or partition as a slice)")
+    try:
+        seconds = parse_duration(slice_every)
+    except ValueError:
+        raise ValueError(f"slice_every {slice_every!r} is not a duration of event time such as '1d', '1h', '30m' "
+                         f"or '90s'") from None
+    if seconds != int(seconds):
+        raise ValueError(f"slice_every {slice_every!r} is not a whole number of seconds")
+    return seconds
 
 
 def _check_time_order(paths: Sequence[str] | str, shuffle: bool) -> None:

@@ -66,6 +66,8 @@ class FileIndex:
     ``unreadable`` says why a text file cannot be read to its end (a truncated or
     corrupt compressed stream, an I/O error; None: it can): ``records`` then counts the
     whole records before the break, and the readers' ``bad_files`` policy decides.
+    An index with ``first`` > 0 or fewer ``records`` than its file holds is a part of it
+    (records ``first .. first + records - 1``), as an event-time slice reads.
 
     Example::
 
@@ -81,6 +83,7 @@ class FileIndex:
     groups: tuple[int, ...] = ()
     head: bytes = b""  # the file's first bytes (decompressed), to check a header or tell formats apart
     unreadable: str | None = None  # "EOFError: Compressed file ended ..." where reading broke off
+    first: int = 0  # a part of the file (an event-time slice's): its records first .. first + records - 1
 
 
 def build_file_index(path: str, header_lines: HeaderLines = 0, columnar: bool = False) -> FileIndex:
@@ -157,15 +160,24 @@ class RowIndexCache:
     def __init__(self, directory: str | os.PathLike | None) -> None:
         self.directory = Path(directory).expanduser() if directory is not None else None
 
-    def _key(self, path: str, header_lines: HeaderLines, columnar: bool) -> str | None:
+    @staticmethod
+    def key_of(path: str) -> str | None:
+        """The file's identity in the cache: its path, size and modification time (None
+        where it cannot be looked at)."""
         try:
             fs, root = url_to_fs(path)
             info = fs.info(root)
         except OSError:
             return None
         stamp = info.get("mtime") or info.get("LastModified") or info.get("ETag") or info.get("created")
+        return json.dumps([path, info.get("size"), str(stamp)])
+
+    def _key(self, path: str, header_lines: HeaderLines, columnar: bool) -> str | None:
+        identity = self.key_of(path)
+        if identity is None:
+            return None
         rule = header_lines if isinstance(header_lines, int) else repr(header_lines)
-        text = json.dumps([_VERSION, path, info.get("size"), str(stamp), rule, columnar, MARK_EVERY])
+        text = json.dumps([_VERSION, *json.loads(identity), rule, columnar, MARK_EVERY])
         return hashlib.sha1(text.encode()).hexdigest()
 
     def get(self, path: str, header_lines: HeaderLines = 0, columnar: bool = False) -> FileIndex:

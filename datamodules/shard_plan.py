@@ -77,7 +77,7 @@ def file_slices(files: Sequence[FileIndex], intervals: Sequence[tuple[int, int]]
             first, stop = max(a, starts[i]) - starts[i], min(b, starts[i + 1]) - starts[i]
             if stop > first:
                 f = files[i]
-                out.append(FileSlice(f.path, int(first), int(stop), f.header_lines, f.marks))
+                out.append(FileSlice(f.path, int(first) + f.first, int(stop) + f.first, f.header_lines, f.marks))
     return out
 
 

@@ -126,9 +126,10 @@ class LogStreamDataset(IterableDataset):
             if index.unreadable is None:
                 continue
             if self.bad_files == "fail":
-                raise UnreadableFileError(index.path, index.records + 1, index.unreadable)
+                raise UnreadableFileError(index.path, index.first + index.records + 1, index.unreadable)
             log.error("%s: %s; bad_files='skip': its first %d records are read, the rest of the file is skipped",
-                      index.path, unreadable_reason(index.records + 1, index.unreadable), index.records)
+                      index.path, unreadable_reason(index.first + index.records + 1, index.unreadable),
+                      index.first + index.records)
 
     def expected_batches(self, largest_share: bool = False) -> int:
         """Batches every rank yields in a pass, from the files' record counts (fewer if lines

@@ -20,10 +20,11 @@ from ctr_lightning.metrics import Calibration, LogLoss
 class ProgressiveValidation(Callback):
     """Progressive validation (test-then-train): the scores a training step's forward gives
     a batch, before that batch's update, are the next slice of traffic scored by the model
-    of the moment. Per time slice (an epoch of an online DataModule: a file or a Hive
-    partition) it logs ``online/auc``, ``online/logloss`` and ``online/calibration``, with the
-    slice's number as the step and its event time (from ``dt=``/``hour=`` partitions) as the
-    wall time, so TensorBoard's "wall" x-axis shows data time; the slice's name goes to
+    of the moment. Per time slice (an epoch of an online DataModule: a file, a Hive
+    partition, or a window of event time with ``slice_every``) it logs ``online/auc``,
+    ``online/logloss`` and ``online/calibration``, with the slice's number as the step and
+    its event time (the ``dt=``/``hour=`` partition, or the window's start) as the wall
+    time, so TensorBoard's "wall" x-axis shows data time; the slice's name goes to
     ``online/slice`` as text. No data is held out and nothing is read twice: the scores come
     from the training forward itself (a forward hook on the module), whose output must be a
     batch's logits.
@@ -78,9 +79,8 @@ class ProgressiveValidation(Callback):
         if not self._metrics["logloss"].update_called:
             return
         values = {f"online/{name}": float(metric.compute()) for name, metric in self._metrics.items()}  # collective
-        files = getattr(trainer.datamodule, "epoch_files", {}).get("train", []) if trainer.datamodule else []
         number = trainer.current_epoch
-        name, event_time = slice_name(files) if files else f"epoch {number}", slice_event_time(files)
+        name, event_time = self.slice_of(trainer.datamodule, number)
         self.history.append({"slice": number, "name": name, "event_time": event_time, **values})
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
@@ -89,3 +89,14 @@ class ProgressiveValidation(Callback):
                 logger.experiment.add_text("online/slice", name, global_step=number, walltime=event_time)
             else:
                 logger.log_metrics(values, step=number)
+
+    @staticmethod
+    def slice_of(datamodule: Any, number: int) -> tuple[str, float | None]:
+        """The name and event time of the slice the DataModule's training loader reads: its
+        ``epoch_slices["train"]`` (every LogDataModule's), else its ``epoch_files["train"]``'s
+        Hive partition, else ``epoch N`` without a time."""
+        named = getattr(datamodule, "epoch_slices", {}).get("train") if datamodule is not None else None
+        if named is not None and named[0]:
+            return named
+        files = getattr(datamodule, "epoch_files", {}).get("train", []) if datamodule is not None else []
+        return (slice_name(files), slice_event_time(files)) if files else (f"epoch {number}", None)
