@@ -6,7 +6,8 @@ Layout of ``out``::
     export.json                        format, model class and hyperparameters, tables, files
     dense.safetensors                  every tensor of the state dict but the tables
     tables/<table>/part-00000.parquet  columns table (string), id (int64), vector (float32[dim]),
-                                       and last_seen (int64) where the table records it
+                                       last_seen (int64) where the table records it, and
+                                       score_bucket (int64) where a score keeps its rows
 
 Only the weights of a row are exported (no optimizer state), each stored row once. Rows
 never stored were never trained; their value in the trained model is its initial one,
@@ -18,7 +19,11 @@ server prefers; in a table that admits ids selectively (``"unstored": "zeros"``)
 nowhere was never admitted and reads zeros. In a table with an
 :class:`~ctr_lightning.embedding.Expiry`, a row gone is left out (it reads as one stored
 nowhere), and each row's last lookup step is written: a delta export (``since``) holds only
-the rows looked up since the export it follows. :mod:`ctr_lightning.serving` reads them
+the rows looked up since the export it follows, and each table's floor deletes the rows gone
+since. The floor applies to the rank the model decides by (``ranked_by`` in ``export.json``):
+the last lookup step, or, in a table kept by a score (``Expiry(max_rows, score=...)``), the
+bucket of the score key stored after the stamp, written per row (a row's score changes only
+when it is looked up, and so does its bucket). :mod:`ctr_lightning.serving` reads them
 back. The rows stream from the checkpoint's table snapshot (or from its in-file
 tables) a chunk at a time, so memory stays constant whatever the tables' size.
 """
@@ -41,7 +46,7 @@ import torch
 import ctr_lightning  # noqa: F401 - registers the config classes a checkpoint may hold
 from ctr_lightning.embedding.lifecycle.row_expiry import SCORE_WORDS, STAMP_WORDS, read_last_seen, score_bucket
 from ctr_lightning.file_digest import file_sha256
-from ctr_lightning.serving import EXPORT_JSON, FORMAT, read_description
+from ctr_lightning.serving import EXPORT_JSON, FORMAT, RANKS, read_description
 from ctr_lightning.embedding.snapshots.table_snapshot import MANIFEST, SnapshotManifest, read_snapshot_file, verify
 from ctr_lightning.embedding.tiers.key_index import KeyIndex
 
@@ -104,17 +109,20 @@ def _table_chunks(extra: dict[str, Any], chunk_rows: int, beside: Path) -> tuple
 class _TableWriter:
     """Parquet files of one table, a new file every ``rows_per_file`` rows."""
 
-    def __init__(self, directory: Path, name: str, dim: int, rows_per_file: int, stamped: bool) -> None:
+    def __init__(self, directory: Path, name: str, dim: int, rows_per_file: int, stamped: bool,
+                 scored: bool = False) -> None:
         self.directory, self.name, self.dim, self.rows_per_file = directory, name, dim, rows_per_file
         directory.mkdir(parents=True, exist_ok=True)
         self.schema = pa.schema([("table", pa.string()), ("id", pa.int64()), ("vector", pa.list_(pa.float32(), dim)),
-                                 *([("last_seen", pa.int64())] if stamped else [])])
+                                 *([("last_seen", pa.int64())] if stamped else []),
+                                 *([("score_bucket", pa.int64())] if scored else [])])
         self.files: list[dict[str, Any]] = []
         self._writer: pq.ParquetWriter | None = None
         self._in_file = 0
         self.rows = 0
 
-    def write(self, ids: np.ndarray, vectors: np.ndarray, last_seen: np.ndarray | None) -> None:
+    def write(self, ids: np.ndarray, vectors: np.ndarray, last_seen: np.ndarray | None,
+              buckets: np.ndarray | None = None) -> None:
         start = 0
         while start < len(ids):
             if self._writer is None:
@@ -128,6 +136,8 @@ class _TableWriter:
                        pa.FixedSizeListArray.from_arrays(flat, self.dim)]
             if last_seen is not None:
                 columns.append(pa.array(last_seen[start : start + n]))
+            if buckets is not None:
+                columns.append(pa.array(buckets[start : start + n]))
             batch = pa.record_batch(columns, schema=self.schema)
             self._writer.write_batch(batch)
             self._in_file += n
@@ -150,10 +160,11 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
 
     With ``since``, an earlier export of the same run, write a delta: only the rows changed
     since (looked up in training at or after that export's step counts), plus each table's
-    floor (rows last looked up before it are gone), the dense part whole, and ``since``
-    naming that export with its ``export.json``'s SHA-256. Every table must record its
-    rows' last lookup step (:class:`~ctr_lightning.embedding.Expiry`, ``Expiry()`` for none
-    to expire). :func:`ctr_lightning.serving.read_export` applies the chain.
+    floor (rows whose rank, last lookup step or score bucket, is under it are gone), the
+    dense part whole, and ``since`` naming that export with its ``export.json``'s SHA-256.
+    Every table must record its rows' last lookup step
+    (:class:`~ctr_lightning.embedding.Expiry`, ``Expiry()`` for none to expire; a row cap by
+    score records it too). :func:`ctr_lightning.serving.read_export` applies the chain.
 
     Example::
 
@@ -184,31 +195,29 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
     for extra in collections.values():
         configs, steps, chunks = _table_chunks(extra, chunk_rows, Path(ckpt_path).parent / "table_snapshots")
         floors = {name: int(floor) for name, floor in (extra.get("expiry") or {}).items()}  # stamped tables
-        scored = set(extra.get("expiry_scored") or [])  # their floors rank score keys, after the stamp
-        if previous is not None and scored:
-            raise ValueError(f"export --since {since}: tables {sorted(scored)} keep rows by a score "
-                             f"(Expiry(score=...)): the rows they evict are no range of last lookups a delta could "
-                             f"name; export them in full")
-        changed_from = _changed_from(previous, since, configs, steps, floors) if previous is not None else {}
+        scored = set(extra.get("expiry_scored") or [])  # their floors rank score buckets, not steps
+        ranks = {name: RANKS[1] if name in scored else RANKS[0] for name in floors}
+        changed_from = _changed_from(previous, since, configs, steps, ranks) if previous is not None else {}
         writers = {name: _TableWriter(out / "tables" / name, name,
                                       int(config.get("dim") or hparams["embedding_dim"]), rows_per_file,
-                                      stamped=name in floors)
+                                      stamped=name in floors, scored=name in scored)
                    for name, config in configs.items()}
         for name, ids, rows in chunks:
-            last_seen = None
-            if name in floors:  # rows gone (expired) may still lie in the snapshot's files: left out
+            last_seen = buckets = None
+            if name in floors:  # rows gone (expired, evicted) may still lie in the snapshot's files: left out
                 column = rows.shape[1] - STAMP_WORDS - (SCORE_WORDS if name in scored else 0)
                 last_seen = read_last_seen(rows, column)
+                changed = last_seen >= changed_from.get(name, 0)  # a row never trained has -1: never
                 if name in scored:  # alive by the score's bucket (a row never trained has none)
-                    keep = (last_seen >= 0) & (score_bucket(rows[:, column + STAMP_WORDS].numpy()) >= floors[name])
+                    buckets = score_bucket(rows[:, column + STAMP_WORDS].numpy())
+                    keep = changed & (buckets >= floors[name])
+                    buckets = buckets[keep]
                 else:
-                    keep = last_seen >= max(floors[name], changed_from.get(name, floors[name]))
+                    keep = changed & (last_seen >= floors[name])
                 ids, rows, last_seen = ids[keep], rows[torch.from_numpy(keep)], last_seen[keep]
-            writers[name].write(ids, rows[:, : writers[name].dim].numpy(), last_seen)
+            writers[name].write(ids, rows[:, : writers[name].dim].numpy(), last_seen, buckets)
         for name, config in configs.items():
-            # A score table's floor ranks scores, not last lookups: no floor a reader could apply.
-            tables_out[name] = _table_entry(name, config, writers[name], out, hparams, extra, steps,
-                                            {n: f for n, f in floors.items() if n not in scored})
+            tables_out[name] = _table_entry(name, config, writers[name], out, hparams, extra, steps, floors, ranks)
 
     dense = {k: v.detach().clone().contiguous() for k, v in state.items()
              if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
@@ -235,19 +244,28 @@ def export_for_serving(ckpt_path: str | os.PathLike, out: str | os.PathLike, row
 
 
 def _changed_from(previous: dict[str, Any], since: str | os.PathLike, configs: dict[str, Any],
-                  steps: dict[str, int], floors: dict[str, int]) -> dict[str, int]:
+                  steps: dict[str, int], ranks: dict[str, str]) -> dict[str, int]:
     """Per table, the step from which a row's last lookup makes it part of a delta after
     ``previous`` (the tables' step counts then); an error naming the table where a delta
-    cannot be written."""
+    cannot be written. ``ranks``: per stamped table, what its floor applies to."""
     out = {}
     for name in configs:
-        if name not in floors:
+        if name not in ranks:
             raise ValueError(f"export --since {since}: table {name!r} does not record its rows' last lookup step, "
                              f"so the rows changed since cannot be told apart; give it an Expiry (Expiry() expires "
                              f"nothing) and export in full")
-        before = previous["tables"].get(name, {}).get("steps")
-        if before is None:
+        entry = previous["tables"].get(name)
+        if entry is None:
             continue  # a table new since: all its rows
+        # The reader deletes by the floor's rank over the rows before the delta too: they must carry it.
+        ranked_by = entry.get("ranked_by", RANKS[0]) if entry.get("floor") is not None else None
+        if RANKS[1] in (ranks[name], ranked_by) and ranked_by != ranks[name]:
+            raise ValueError(f"export --since {since}: table {name!r} ranks its rows by {ranks[name]} now, the export "
+                             f"it would follow by {ranked_by or 'nothing'} (an older version, or another Expiry); "
+                             f"export in full")
+        before = entry.get("steps")
+        if before is None:
+            continue
         if int(before) > steps[name]:
             raise ValueError(f"export --since {since}: table {name!r} is at step {steps[name]} in this checkpoint, "
                              f"before the {before} steps of the export it would follow; export in full")
@@ -256,7 +274,8 @@ def _changed_from(previous: dict[str, Any], since: str | os.PathLike, configs: d
 
 
 def _table_entry(name: str, config: dict[str, Any], writer: _TableWriter, out: Path, hparams: dict[str, Any],
-                 extra: dict[str, Any], steps: dict[str, int], floors: dict[str, int]) -> dict[str, Any]:
+                 extra: dict[str, Any], steps: dict[str, int], floors: dict[str, int],
+                 ranks: dict[str, str]) -> dict[str, Any]:
     """A table's entry of ``export.json``."""
     writer.close()
     init_ranges = extra.get("init_ranges") or {}  # tables at torchrec's default range are not listed
@@ -271,8 +290,10 @@ def _table_entry(name: str, config: dict[str, Any], writer: _TableWriter, out: P
                       (None if bound is None else [-bound, bound]),
         "unstored": "zeros" if name in zero_unstored else "initial",
         "steps": int(steps.get(name, 0)),
-        # Rows last looked up before it are gone: a reader deletes them (a delta's tombstones).
+        # Rows whose rank (last lookup step, or score bucket) is under it are gone: a reader
+        # deletes them (a delta's tombstones).
         "floor": floors.get(name),
+        **({"ranked_by": ranks[name]} if name in ranks else {}),
         "rows": writer.rows,
         "files": [{"path": str(Path(f["path"]).relative_to(out)), "rows": f["rows"],
                    "sha256": file_sha256(f["path"])} for f in writer.files],
@@ -305,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows_per_file", type=int, default=1 << 20, help="rows per Parquet file")
     parser.add_argument("--since", default=None,
                         help="an earlier export of the same run: write a delta, only the rows changed since (tables "
-                             "need an Expiry, which records each row's last lookup step)")
+                             "need an Expiry, which records each row's last lookup step; a row cap by score does)")
     args = parser.parse_args(argv)
     description = export_for_serving(args.ckpt_path, args.out, rows_per_file=args.rows_per_file, since=args.since)
     rows = sum(t["rows"] for t in description["tables"].values())

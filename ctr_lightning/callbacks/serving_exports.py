@@ -26,12 +26,13 @@ class ServingExport(Callback):
     :func:`ctr_lightning.serving.read_export`, which applies the chain from its base.
 
     Deltas need tables that record each row's last lookup step (a model with ``expiry``:
-    ``Expiry()`` expires nothing); with ``full_every=1`` every export is whole and any
-    model will do. The export is made from a checkpoint written for it into ``dirpath``
-    (collective under DDP; rank 0 exports) and deleted afterwards; with
-    :class:`TableSnapshots`, its table snapshot goes where the run's snapshots go and is
-    cleaned up with them. The chain goes on across a resume (the callback's state is in
-    the run's checkpoints); a first export whose predecessor is gone is whole.
+    ``Expiry()`` expires nothing; a ttl and a row cap, by recency or by score, do too); with
+    ``full_every=1`` every export is whole and any model will do. The export is made from a
+    checkpoint written for it into ``dirpath`` (collective under DDP; rank 0 exports) and
+    deleted afterwards; with :class:`TableSnapshots`, its table snapshot goes where the
+    run's snapshots go and is cleaned up with them. The chain goes on across a resume (the
+    callback's state is in the run's checkpoints); a first export whose predecessor is gone
+    is whole.
 
     Example::
 
@@ -60,9 +61,8 @@ class ServingExport(Callback):
                            for t in c.embedding_bag_configs() if t.name not in c.delta_tables)
         if self.full_every > 1 and unstamped:
             raise ValueError(f"ServingExport(full_every={self.full_every}) writes deltas, which need tables that record "
-                             f"each row's last lookup step and keep rows by recency, but tables {unstamped[:5]} do "
-                             f"not; give the model expiry=Expiry() (nothing expires; not Expiry(score=...), whose "
-                             f"evictions a delta cannot name), or set full_every=1 to write every export whole")
+                             f"each row's last lookup step, but tables {unstamped[:5]} do not; give the model "
+                             f"expiry=Expiry() (nothing expires), or set full_every=1 to write every export whole")
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

@@ -424,9 +424,9 @@ class TieredEmbeddingBagCollection(nn.Module):
     @property
     def delta_tables(self) -> set[str]:
         """Tables delta exports for serving can follow: their rows record their last lookup
-        step (an :class:`Expiry`) and no score evicts them (a score's evictions are no range
-        of last lookups)."""
-        return set(self._setup.expiry) - set(self._setup.scored_tables)
+        step (an :class:`Expiry`; a table kept by a score also ranks them by its score's
+        bucket, which the export writes per row)."""
+        return set(self._setup.expiry)
 
     def observe_labels(self, labels: torch.Tensor) -> None:
         """The labels of the training batch about to run, for tables whose :class:`Expiry`

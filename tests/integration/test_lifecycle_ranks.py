@@ -152,10 +152,14 @@ def scoring(label):
 
 for label in ["lfu_table_wise", "lfu_table_wise+resumed", "lfu_row_wise", "lfu_row_wise+resumed"]:
     # A row cap by score (LFU, decaying): the owners count every rank's occurrences of their
-    # rows; row-wise, the floor is found over every rank's score buckets (SharedRowCaps).
-    ebc, rows, state = run(scoring, label, steps=14, cut=7, size=32, at_cut=lambda cut_state: None)
+    # rows; row-wise, the floor is found over every rank's score buckets (SharedRowCaps). A full
+    # export at the cut and a delta after it at the end, as above.
+    base = f"export_{label}_{world}_cut"
+    ebc, rows, state = run(scoring, label, steps=14, cut=7, size=32,
+                           at_cut=lambda cut_state: export(cut_state, base) if rank == 0 else None)
     counts = gathered(ebc.expiry_counts())
     if rank == 0:
+        export(state, f"export_{label}_{world}_end", since=os.path.join(out_dir, base))
         torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
                     "floors": state["expiry"], "counts": counts}, os.path.join(out_dir, f"scored_{label}_{world}.pt"))
 if world > 1:
@@ -300,6 +304,20 @@ def test_two_ranks_keep_the_rows_one_process_keeps(runs):
                 torch.testing.assert_close(run["rows"][name], rows, atol=1e-5, rtol=0)
     two = load(runs, "scored", "lfu_row_wise", 2)
     assert all(c["t0"]["evicted"] > 0 for c in two["counts"])  # each rank evicted its own share
+    # Its delta exports (t0's floor on score buckets): the same on 2 ranks, resumed or not, and
+    # base + delta read back as the rows kept.
+    want = delta_rows(runs / "export_lfu_table_wise_1_end")
+    assert len(want["t0"][0]) > 5
+    at_cut = read_export(runs / "export_lfu_table_wise_1_cut").tables["t0"].ids
+    assert (~np.isin(at_cut, one["stored"]["t0"])).sum() > 5  # evicted since the cut: the delta's floor deletes them
+    for label in ("lfu_table_wise", "lfu_table_wise+resumed", "lfu_row_wise", "lfu_row_wise+resumed"):
+        for world in (1, 2):
+            got = delta_rows(runs / f"export_{label}_{world}_end")
+            for name, (ids, vectors, floor) in want.items():
+                assert np.array_equal(got[name][0], ids) and got[name][2] == floor, (label, world, name)
+                np.testing.assert_allclose(got[name][1], vectors, atol=1e-5, rtol=0)
+            served = read_export(runs / f"export_{label}_{world}_end")
+            assert {n: t.ids.tolist() for n, t in served.tables.items()} == one["stored"], (label, world)
     refusal = torch.load(runs / "kstep_data_time_refusal.pt")
     assert "tables ['t1']: an Expiry ttl in data time is not supported under sparse_sync='k_step'" in refusal
     # Row-wise, each rank expired its own share; the counts add up to one process's.

@@ -1,7 +1,7 @@
 """Delta exports for serving: ``ctr-lightning export --since`` writes only the rows changed
 since the export it follows and the floors that delete the rows gone; ``ctr_lightning.serving``
 applies base and deltas in order to the model's rows, bit for bit, across expiry, admission
-and a resume."""
+and a resume, in tables kept by recency and by a score."""
 
 import json
 import subprocess
@@ -11,9 +11,10 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from ctr_lightning.callbacks import ServingExport
+from ctr_lightning.callbacks.serving_exports import LATEST
 from ctr_lightning.cli import main
 from ctr_lightning.datamodules import CriteoDataModule, write_synthetic_criteo
 from ctr_lightning.embedding import Admission, Expiry, StorageConfig
@@ -22,9 +23,9 @@ from ctr_lightning.serving import read_export
 from tests.integration.test_serving_export import _example
 
 
-def model(tmp_path, name):
+def model(tmp_path, name, expiry=Expiry(ttl=12), admission=Admission(admit_after=2)):
     return DLRMModule(embedding_dim=8, num_embeddings=5000, dense_arch_layer_sizes=[16], over_arch_layer_sizes=[16, 1],
-                      expiry=Expiry(ttl=12), admission=Admission(admit_after=2),
+                      expiry=expiry, admission=admission,
                       storage=StorageConfig(device_rows=150, host_rows=0, ssd_dir=str(tmp_path / f"ssd_{name}"),
                                             ssd_segment_bytes=1 << 14))
 
@@ -113,6 +114,56 @@ def test_base_and_deltas_read_back_the_models_rows_across_expiry_admission_and_a
         read_export(tmp_path / "serving" / "24")
 
 
+class CheckEachExport(Callback):
+    """After each export of the ServingExport before it in the callbacks: the newest export
+    read back (base and deltas) is the model's rows at that step, bit for bit (``rows()``)."""
+
+    def __init__(self, root, every: int) -> None:
+        self.root, self.every, self.checked, self.tombstoned = root, every, [], 0
+        self.held: dict[str, np.ndarray] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % self.every:
+            return
+        served = read_export(self.root / (self.root / LATEST).read_text().strip())
+        stored = pl_module.embeddings._built().export()
+        for name, table in served.tables.items():
+            assert table.ids.tolist() == sorted(stored[name]["ids"].tolist()), (trainer.global_step, name)
+            rows = pl_module.embeddings.rows(name, table.ids)
+            assert torch.equal(torch.from_numpy(table.vectors), rows), (trainer.global_step, name)
+            self.tombstoned += int((~np.isin(self.held.get(name, table.ids), table.ids)).sum())
+            self.held[name] = table.ids
+        self.checked.append(served.chain[-1].name)
+
+
+@pytest.mark.parametrize("expiry", [Expiry(max_rows=150, score="lfu", decay=0.9),
+                                    Expiry(max_rows=150, score="show_click", decay=0.97)], ids=["lfu", "show_click"])
+def test_score_tables_base_and_deltas_read_back_the_models_rows_across_evictions_and_a_resume(tmp_path, expiry):
+    data = write_synthetic_criteo(tmp_path / "train.tsv", rows=40 * 64, seed=0)
+    # ServingExport every 4 steps, every third export whole; each read back at its step.
+    straight = model(tmp_path, "a", expiry, admission=None)
+    check = CheckEachExport(tmp_path / "serving_a", 4)
+    fit(straight, tmp_path, "a", data, max_steps=24, callbacks=[ServingExport(tmp_path / "serving_a", 4, 3), check])
+    assert check.checked == [f"step={s:09d}" for s in range(4, 25, 4)]
+    description = read_export(tmp_path / "serving_a" / "step=000000024").description
+    assert {t["ranked_by"] for t in description["tables"].values()} == {"score_bucket"}
+    assert "since" in description
+    assert check.tombstoned > 1000  # rows evicted between exports, deleted by the deltas' floors
+    assert sum(c["evicted"] for c in straight.embeddings.expiry_counts().values()) > 3000
+
+    # Resumed from step 8: the chain goes on after the first run's step-8 export, each export
+    # read back at its step, and the last is the first run's model.
+    resumed = model(tmp_path, "b", expiry, admission=None)
+    check = CheckEachExport(tmp_path / "serving_b", 4)
+    fit(resumed, tmp_path, "b", data, max_steps=24, ckpt_path=str(tmp_path / "ckpt_a" / "step=8.ckpt"),
+        callbacks=[ServingExport(tmp_path / "serving_b", 4, 3), check])
+    assert check.checked == [f"step={s:09d}" for s in range(12, 25, 4)]
+    chain = read_export(tmp_path / "serving_b" / "step=000000012").chain
+    assert [(p.parent.name, p.name) for p in chain] == [
+        ("serving_a", "step=000000004"), ("serving_a", "step=000000008"), ("serving_b", "step=000000012")]
+    check_equal(read_export(tmp_path / "serving_b" / "step=000000024"), straight)
+
+
 def test_a_full_export_reads_without_torch_and_a_delta_needs_stamped_tables(tmp_path):
     data = write_synthetic_criteo(tmp_path / "train.tsv", rows=10 * 64, seed=0)
     plain = DLRMModule(embedding_dim=4, num_embeddings=1000, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
@@ -131,6 +182,4 @@ def test_a_full_export_reads_without_torch_and_a_delta_needs_stamped_tables(tmp_
         ServingExport(tmp_path / "x").setup(pl.Trainer(logger=False), plain, "fit")
     scored = DLRMModule(embedding_dim=4, num_embeddings=1000, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1],
                         expiry=Expiry(max_rows=100, score="lfu"))
-    with pytest.raises(ValueError, match=r"keep rows by recency, but tables \['t_C1', .*Expiry\(score=...\)"):
-        ServingExport(tmp_path / "y").setup(pl.Trainer(logger=False), scored, "fit")
-    ServingExport(tmp_path / "z", full_every=1).setup(pl.Trainer(logger=False), scored, "fit")  # whole: fine
+    ServingExport(tmp_path / "y").setup(pl.Trainer(logger=False), scored, "fit")  # deltas ranked by score: fine

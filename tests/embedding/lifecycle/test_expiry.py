@@ -191,24 +191,102 @@ def test_a_score_cap_keeps_the_highest_scoring_rows_trained_from_their_return(tm
         assert resumed.expiry_counts()[name]["rows"] == len(live[t])
 
 
-def test_a_score_table_exports_its_live_rows_whole_and_refuses_a_delta(tmp_path):
+def save_checkpoint(ebc, path) -> None:
+    """A checkpoint of the collection alone, as ``export_for_serving`` reads it (in-file tables)."""
+    ebc.checkpoint_to_snapshots(None)
+    torch.save({"state_dict": {"tables._extra_state": ebc.state_dict()["_extra_state"]},
+                "hyper_parameters": {"embedding_dim": 8}}, path)
+
+
+def check_served(served, ebc) -> None:
+    """The reader's rows are the collection's live rows, bit for bit: the same ids, the
+    weights ``rows()`` gives."""
+    stored = ebc.state_dict()["_extra_state"]["tables"]
+    for name in ("t0", "t1"):
+        table = served.tables[name]
+        assert table.ids.tolist() == sorted(stored[name]["ids"].tolist()), name
+        assert len(table) == ebc.expiry_counts()[name]["rows"], name
+        torch.testing.assert_close(torch.from_numpy(table.vectors), ebc.rows(name, table.ids), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("score,decay", [("lfu", 0.9), ("show_click", 0.97)])
+def test_a_score_table_exports_base_and_deltas_that_read_back_its_rows_across_evictions_and_a_resume(
+        tmp_path, score, decay):
+    import pyarrow.parquet as pq
+
     from ctr_lightning.serving import read_export
     from ctr_lightning.serving_export import export_for_serving
 
-    steps = stream(seed=6, steps=20)
-    ebc = collection(tmp_path, "e", expiry=Expiry(max_rows=30, score="lfu", decay=0.9))
-    train(ebc, steps)
-    ebc.checkpoint_to_snapshots(None)
-    ckpt = tmp_path / "model.ckpt"
-    torch.save({"state_dict": {"tables._extra_state": ebc.state_dict()["_extra_state"]},
-                "hyper_parameters": {"embedding_dim": 8}}, ckpt)
-    export_for_serving(ckpt, tmp_path / "full")
-    served = read_export(tmp_path / "full")
-    stored = {name: sorted(s["ids"].tolist()) for name, s in ebc.state_dict()["_extra_state"]["tables"].items()}
-    assert {n: t.ids.tolist() for n, t in served.tables.items()} == stored
-    assert len(stored["t0"]) == ebc.expiry_counts()["t0"]["rows"] <= 30
-    with pytest.raises(ValueError, match=r"tables \['t0', 't1'\] keep rows by a score"):
-        export_for_serving(ckpt, tmp_path / "delta", since=tmp_path / "full")
+    steps = stream(seed=6, steps=30)
+    rng = np.random.default_rng(6)
+    labels = [(rng.random(BATCH) < 0.3).astype(np.float32) for _ in steps]
+    expiry = Expiry(max_rows=40, score=score, decay=decay)
+    ebc = collection(tmp_path, "e", expiry=expiry)
+    # A full export at step 5, then a delta every 5 steps, each read back against the model.
+    previous, tombstoned, unchanged, resume_state = None, 0, 0, None
+    for step in range(5, 31, 5):
+        train(ebc, steps[step - 5 : step], labels=labels[step - 5 : step])
+        save_checkpoint(ebc, tmp_path / f"{step}.ckpt")
+        if step == 15:
+            resume_state = ebc.state_dict()
+        out = tmp_path / "serving" / str(step)
+        description = export_for_serving(tmp_path / f"{step}.ckpt", out, since=previous)
+        assert {t["ranked_by"] for t in description["tables"].values()} == {"score_bucket"}
+        served = read_export(out)
+        check_served(served, ebc)
+        if previous is not None:
+            before = read_export(previous).tables
+            for name, table in before.items():
+                files = [pq.read_table(out / f["path"]) for f in description["tables"][name]["files"]]
+                delta = {c: np.concatenate([f.column(c).to_numpy() for f in files]) for c in ("id", "last_seen")}
+                # A delta holds the rows looked up since the export before, no other...
+                assert (delta["last_seen"] >= step - 5).all()
+                unchanged += int((served.tables[name].last_seen < step - 5).sum())
+                # ...and the rows the reader held that are gone now (not in it) its floor deleted.
+                tombstoned += int((~np.isin(table.ids, served.tables[name].ids)).sum())
+                assert not np.isin(table.ids[~np.isin(table.ids, served.tables[name].ids)], delta["id"]).any()
+        previous = out
+    assert [p.name for p in served.chain] == ["5", "10", "15", "20", "25", "30"]
+    assert sum(c["evicted"] for c in ebc.expiry_counts().values()) > 100
+    assert tombstoned > 50 and unchanged > 20  # deltas smaller than full exports; rows evicted since
+
+    # Resumed from step 15: deltas after the first run's step-15 export read back its rows.
+    resumed = collection(tmp_path, "r", expiry=expiry)
+    resumed.load_state_dict(resume_state)
+    previous = tmp_path / "serving" / "15"
+    for step in range(20, 31, 5):
+        train(resumed, steps[step - 5 : step], labels=labels[step - 5 : step])
+        save_checkpoint(resumed, tmp_path / f"r{step}.ckpt")
+        export_for_serving(tmp_path / f"r{step}.ckpt", tmp_path / "serving" / f"r{step}", since=previous)
+        previous = tmp_path / "serving" / f"r{step}"
+    served = read_export(previous)
+    assert [p.name for p in served.chain] == ["5", "10", "15", "r20", "r25", "r30"]
+    check_served(served, resumed)
+    check_served(served, ebc)
+
+
+def test_a_score_delta_needs_score_buckets_in_the_export_it_follows(tmp_path):
+    """An export without score buckets (format 1, or the table kept by recency then) cannot
+    be followed by a delta of a table kept by a score: its rows could not be deleted."""
+    import json
+
+    from ctr_lightning.serving import read_export
+    from ctr_lightning.serving_export import export_for_serving
+
+    ebc = collection(tmp_path, "e", expiry=Expiry(max_rows=40, score="lfu"))
+    train(ebc, stream(seed=7, steps=4))
+    save_checkpoint(ebc, tmp_path / "model.ckpt")
+    export_for_serving(tmp_path / "model.ckpt", tmp_path / "full")
+    description = json.loads((tmp_path / "full" / "export.json").read_text())
+    for table in description["tables"].values():  # as an export of the version before wrote it
+        table["floor"] = None
+        del table["ranked_by"]
+    description["format"] = "ctr-lightning-export-1"
+    (tmp_path / "full" / "export.json").write_text(json.dumps(description))
+    assert sum(len(t) for t in read_export(tmp_path / "full").tables.values()) > 20  # still readable
+    with pytest.raises(ValueError, match="table 't0' ranks its rows by score_bucket now, the export it would follow "
+                                         "by nothing"):
+        export_for_serving(tmp_path / "model.ckpt", tmp_path / "delta", since=tmp_path / "full")
 
 
 def test_bad_score_settings_are_named(tmp_path):
