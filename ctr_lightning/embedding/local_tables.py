@@ -178,6 +178,9 @@ class LocalTables(TableEngine):
                 group.expiry.load_clock(state)
 
     def observe_labels(self, labels: Any) -> None:
+        # Clicks count as float32 labels (Batch.labels' dtype), as sharded tables send them to
+        # the owners: one process and the ranks count the same clicks, whatever dtype came.
+        labels = np.asarray(labels, dtype=np.float32).astype(np.float64)
         for group in self.groups:
             group.observe_labels(labels)
 

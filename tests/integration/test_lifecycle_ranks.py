@@ -21,9 +21,10 @@ from ctr_lightning.serving import read_export
 # sightings of the interval.
 # Expiry with admission (32-example batches, cut after 7 of 14 steps): tables expire by ttl,
 # t1's in data time (the newest event time over the ranks counts), and t0 has a row cap
-# (row-wise: counted over every rank's shard). A table-wise table kept by an LFU score.
+# (row-wise: counted over every rank's shard). A table kept by an LFU score, and one by
+# PaddleBox's show/click score, whose clicks (each example's label) travel with the ids.
 RANK_SCRIPT = r"""
-import os, sys
+import dataclasses, os, sys
 import numpy as np, torch, torch.distributed as dist
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -44,23 +45,32 @@ def global_batch(step, size):
     ids = [(rng.zipf(1.3, size=l.sum()) * 7919) % (1 << 40) for l in lengths]
     return lengths, ids
 
-def local_kjt(step, size):
+def local_kjt(step, size, weighted=False):
     lengths, ids = global_batch(step, size)
+    weights = [np.random.default_rng(30_000 + step).random(len(v), dtype=np.float32) for v in ids]
     share = size // world
-    values, lens = [], []
-    for l, v in zip(lengths, ids):
+    values, lens, local_weights = [], [], []
+    for l, v, w in zip(lengths, ids, weights):
         offsets = np.concatenate([[0], np.cumsum(l)])
         lo, hi = rank * share, (rank + 1) * share
         values.append(v[offsets[lo]:offsets[hi]])
+        local_weights.append(w[offsets[lo]:offsets[hi]])
         lens.append(l[lo:hi])
     return KeyedJaggedTensor(keys=["f0", "f1"], values=torch.from_numpy(np.concatenate(values)),
-                             lengths=torch.from_numpy(np.concatenate(lens)))
+                             lengths=torch.from_numpy(np.concatenate(lens)),
+                             weights=torch.from_numpy(np.concatenate(local_weights)) if weighted else None)
 
 def local_event_time(step, size):
     # Each example's event time, late ones among them; a rank sees its slice's newest only.
     times = 1_796_000_000 + 2700 * step + np.random.default_rng(10_000 + step).integers(0, 5400, size)
     share = size // world
     return float(times[rank * share:(rank + 1) * share].max())
+
+def local_labels(step, size):
+    # Each example's click (about one in three); a rank has its slice's.
+    clicks = (np.random.default_rng(20_000 + step).random(size) < 0.3).astype(np.float32)
+    share = size // world
+    return torch.from_numpy(clicks[rank * share:(rank + 1) * share])
 
 loss_weights = torch.randn(16, generator=torch.Generator().manual_seed(0))
 
@@ -79,7 +89,8 @@ def run(make, label, steps, cut, size, at_cut=None):
                 ebc = make(label + "_again")
                 ebc.load_state_dict(state)
         ebc.observe_event_time(local_event_time(step, size))  # collective where a ttl counts in data time
-        pooled = ebc(local_kjt(step, size)).values()
+        ebc.observe_labels(local_labels(step, size))  # for a score that counts clicks
+        pooled = ebc(local_kjt(step, size, weighted="weighted" in label)).values()
         (pooled @ loss_weights).mean().backward()
     seen = {t.name: sorted({int(i) for s in range(steps) for i in global_batch(s, size)[1][k]})
             for k, t in enumerate(TABLES)}
@@ -144,16 +155,26 @@ for label in ["row_wise", "row_wise+resumed", "table_wise", "table_wise+resumed"
         torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
                     "floors": state["expiry"], "counts": counts}, os.path.join(out_dir, f"expiry_{label}_{world}.pt"))
 def scoring(label):
+    score = {"lfu": "lfu", "click": "show_click"}[label.split("_")[0]]
+    weighted = "weighted" in label  # weighted bags pool by sum
+    tables = [dataclasses.replace(t, pooling=PoolingType.SUM) for t in TABLES] if weighted else TABLES
     return TieredEmbeddingBagCollection(
-        TABLES, optimizer=SparseAdam(lr=0.05), sharding=label.split("+")[0].replace("lfu_", ""),
-        admission=Admission(admit_after=2),
-        expiry={"t0": Expiry(max_rows=25, score="lfu", decay=0.9), "t1": Expiry(ttl=2)},
+        tables, optimizer=SparseAdam(lr=0.05), sharding="row_wise" if "row_wise" in label else "table_wise",
+        admission=Admission(admit_after=2), is_weighted=weighted,
+        expiry={"t0": Expiry(max_rows=25, score=score, decay=0.9), "t1": Expiry(ttl=2)},
         storage=storage("scored_" + label, device_rows=30, ssd_segment_bytes=4096))
 
-for label in ["lfu_table_wise", "lfu_table_wise+resumed", "lfu_row_wise", "lfu_row_wise+resumed"]:
-    # A row cap by score (LFU, decaying): the owners count every rank's occurrences of their
-    # rows; row-wise, the floor is found over every rank's score buckets (SharedRowCaps). A full
-    # export at the cut and a delta after it at the end, as above.
+def stamps(table_state):
+    # The scored table's stored rows' last words, their stamp and score, in the order of their ids.
+    order = torch.argsort(table_state["ids"])
+    return table_state["rows"][order, -3:]
+
+for label in ["lfu_table_wise", "lfu_table_wise+resumed", "lfu_row_wise", "lfu_row_wise+resumed",
+              "click_table_wise", "click_weighted_row_wise+resumed"]:
+    # A row cap by score (LFU or show/click, decaying): the owners count every rank's
+    # occurrences (and clicks) of their rows; row-wise, the floor is found over every rank's
+    # score buckets (SharedRowCaps). Clicks travel as the ids' weights, or, where the ids carry
+    # pooling weights, on their own. A full export at the cut and a delta after it at the end.
     base = f"export_{label}_{world}_cut"
     ebc, rows, state = run(scoring, label, steps=14, cut=7, size=32,
                            at_cut=lambda cut_state: export(cut_state, base) if rank == 0 else None)
@@ -161,6 +182,7 @@ for label in ["lfu_table_wise", "lfu_table_wise+resumed", "lfu_row_wise", "lfu_r
     if rank == 0:
         export(state, f"export_{label}_{world}_end", since=os.path.join(out_dir, base))
         torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
+                    "stamps": stamps(state["tables"]["t0"]),
                     "floors": state["expiry"], "counts": counts}, os.path.join(out_dir, f"scored_{label}_{world}.pt"))
 if world > 1:
     # k-step tables (merges every 2 steps; the owners raise their floors at each merge), with
@@ -180,6 +202,14 @@ if world > 1:
         refusal = str(e)
     if rank == 0:
         torch.save(refusal, os.path.join(out_dir, "kstep_data_time_refusal.pt"))
+    try:  # a training step of a show/click table without its labels: refused on every rank alike
+        TieredEmbeddingBagCollection(TABLES, sharding="row_wise",
+                                     expiry={"t0": Expiry(max_rows=25, score="show_click")})(local_kjt(0, 32))
+        refusal = None
+    except ValueError as e:
+        refusal = str(e)
+    if rank == 0:
+        torch.save(refusal, os.path.join(out_dir, "unlabelled_refusal.pt"))
 print("RESULT {}", flush=True)
 if dist.is_initialized():
     dist.destroy_process_group()
@@ -318,8 +348,22 @@ def test_two_ranks_keep_the_rows_one_process_keeps(runs):
                 np.testing.assert_allclose(got[name][1], vectors, atol=1e-5, rtol=0)
             served = read_export(runs / f"export_{label}_{world}_end")
             assert {n: t.ids.tolist() for n, t in served.tables.items()} == one["stored"], (label, world)
+    # A show/click score: the clicks came from the labels of every rank's examples, so 2 ranks
+    # keep what one process keeps, and the scores are the same floats.
+    lfu, click = one, load(runs, "scored", "click_table_wise", 1)
+    assert sum(c["t0"]["evicted"] for c in click["counts"]) > 5 and len(click["stored"]["t0"]) <= 25
+    assert click["stored"]["t0"] != lfu["stored"]["t0"]  # the clicks decided which rows stay
+    for label in ("lfu_table_wise", "lfu_row_wise+resumed", "click_table_wise", "click_weighted_row_wise+resumed"):
+        one = load(runs, "scored", label, 1)
+        two = load(runs, "scored", label, 2)
+        assert two["stored"] == one["stored"] and two["floors"] == one["floors"], label
+        for name, rows in one["rows"].items():
+            torch.testing.assert_close(two["rows"][name], rows, atol=1e-5, rtol=0)
+        assert torch.equal(two["stamps"], one["stamps"]), label
     refusal = torch.load(runs / "kstep_data_time_refusal.pt")
     assert "tables ['t1']: an Expiry ttl in data time is not supported under sparse_sync='k_step'" in refusal
+    refusal = torch.load(runs / "unlabelled_refusal.pt")
+    assert "tables ['t0']: Expiry(score='show_click') counts clicks, but this training batch came without" in refusal
     # Row-wise, each rank expired its own share; the counts add up to one process's.
     one = load(runs, "expiry", "row_wise", 1)
     two = load(runs, "expiry", "row_wise", 2)

@@ -47,7 +47,8 @@ class ShardedTables(TableEngine):
 
     1. :meth:`input_dist`: ids are bucketed by owner and sent with :class:`KJTAllToAll`;
        every owner gets, for each of its features, the bags of all ranks' batches (only
-       the ids it owns);
+       the ids it owns); in training, where a score counts clicks (``show_click``), each
+       id carries its example's label, so the owner counts the clicks one process would;
     2. :meth:`compute`: the owner pools them with its :class:`LocalTables` (row-wise
        shards pool by sum);
     3. :meth:`output_dist`: :class:`PooledEmbeddingsAllToAll` returns each rank's pooled
@@ -78,10 +79,10 @@ class ShardedTables(TableEngine):
         self.rank = dist.get_rank(process_group)
         self.module_name = setup.module_name
         self.timed = bool(setup.timed_tables)  # a ttl in data time: event times are all-reduced
-        if setup.click_tables and process_group.size() > 1:
-            # An owner sees the ids of every rank's batch, but not their labels.
-            raise ValueError(f"tables {setup.click_tables}: Expiry(score='show_click') counts clicks from the labels, "
-                             f"which do not travel to the tables' owners yet; use score='lfu' when sharded")
+        # An owner counts the clicks of its rows from every rank's batch: in training, each id
+        # travels with its example's label (see bucketize).
+        self.click_tables = setup.click_tables
+        self.labels: np.ndarray | None = None  # this rank's coming training batch's
         self.is_weighted = setup.is_weighted
         self.feature_names = [f for t in tables for f in t.feature_names]
         self.dims = [t.embedding_dim for t in tables for _ in t.feature_names]
@@ -155,27 +156,55 @@ class ShardedTables(TableEngine):
 
     def forward(self, features: KeyedJaggedTensor, train: bool) -> torch.Tensor:
         self.caps.settle()  # the last step's row caps, over all ranks, before any lookup
-        features, local_in, strides = self.input_dist(features)
+        labels = self._take_labels(features) if train and self.click_tables else None
+        features, local_in, strides = self.input_dist(features, labels)
         pooled_local = self.compute(local_in, train) if self.sharded else None
         replicated = (self.replicas.forward(features.permute(self.replica_features), train)
                       if self.replicas is not None else None)
         return self.output_dist(pooled_local, strides, features, train, replicated)
 
-    def input_dist(self, features: KeyedJaggedTensor) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor | None, list[int]]:
+    def input_dist(self, features: KeyedJaggedTensor, labels: np.ndarray | None = None
+                   ) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor | None, list[int]]:
         """Ids to their owners: ``(features aligned, the ids this rank owns from all ranks'
-        batches, each rank's batch size)``; no ids travel where every table is data-parallel."""
+        batches, each rank's batch size)``; no ids travel where every table is data-parallel.
+        With ``labels`` (this rank's batch's, ``[B]``), each id carries its example's label,
+        and the owner notes them for its coming lookup, which counts the clicks."""
         features = align_features(features, self.feature_names, self.tables, self.module_name)
         if not self.sharded:
             return features, None, [features.stride()]
-        sent = self.bucketize(features)
+        sent, sent_labels = self.bucketize(features, labels)
         arriving = self.ids_a2a(sent).wait()
         # Batch sizes may differ between ranks (an epoch's last batch), so take each rank's.
         strides = [int(s) for s in arriving._stride_per_rank]
         received = arriving.wait()
+        weights, id_labels = received.weights_or_none(), None
+        if sent_labels is not None:  # a weighted collection's ids: the labels travel on their own
+            id_labels = self.ids_a2a(sent_labels).wait().wait().values()
+            self.bytes_sent += self._id_bytes(sent_labels)
+        elif labels is not None:  # the labels rode as the ids' weights
+            weights, id_labels = None, weights
         local_in = KeyedJaggedTensor(keys=self.local_keys, values=received.values(), lengths=received.lengths(),
-                                     weights=received.weights_or_none(), stride=sum(strides))
+                                     weights=weights, stride=sum(strides))
+        if id_labels is not None:
+            self.local.observe_labels(_example_labels(local_in, id_labels))
         self.bytes_sent += self._id_bytes(sent)
         return features, local_in, strides
+
+    def observe_labels(self, labels: Any) -> None:
+        if self.click_tables:
+            self.labels = labels
+
+    def _take_labels(self, features: KeyedJaggedTensor) -> np.ndarray:
+        """This rank's labels for the training forward of ``features``; they are used once."""
+        labels, self.labels = self.labels, None
+        if labels is None:
+            raise ValueError(f"tables {self.click_tables}: Expiry(score='show_click') counts clicks, but this "
+                             f"training batch came without its labels (observe_labels before each training forward "
+                             f"on every rank; CTRModule does)")
+        if len(labels) != features.stride():
+            raise ValueError(f"tables {self.click_tables}: Expiry(score='show_click') counts clicks, but "
+                             f"observe_labels got {len(labels)} labels for a batch of {features.stride()} examples")
+        return labels
 
     def skip_nonfinite_updates(self, skip: bool) -> None:
         # A rank's non-finite gradient reaches every owner as NaN (loss_scaling), and the
@@ -239,8 +268,14 @@ class ShardedTables(TableEngine):
     def _engines(self) -> list[LocalTables]:
         return [self.local] + ([self.replicas.local] if self.replicas is not None else [])
 
-    def bucketize(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
-        """The KJT with each feature's ids split by owner: keys ordered by destination rank."""
+    def bucketize(self, features: KeyedJaggedTensor, labels: np.ndarray | None = None
+                  ) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor | None]:
+        """The KJT with each feature's ids split by owner: keys ordered by destination rank.
+
+        With ``labels``, each id's example's label goes along, as float32: as the KJT's
+        weights where the collection is unweighted (one more tensor in the same all-to-all,
+        as torchrec sends weights), else in a second KJT of the same lengths (returned
+        second; None otherwise)."""
         if self.replicas is not None:
             features = features.permute(self.sharded_features)
         batch = features.stride()
@@ -254,11 +289,18 @@ class ShardedTables(TableEngine):
         out_segment = self.key_of[dest, feature] * batch + segment % batch
         order = torch.argsort(out_segment, stable=True)
         out_lengths = torch.bincount(out_segment, minlength=len(self.send_keys) * batch)
+        out_lengths = out_lengths.to(torch.int32)
         weights = features.weights_or_none()
-        return KeyedJaggedTensor(keys=self.send_keys, values=values[order.to(values.device)],
-                                 lengths=out_lengths.to(torch.int32),
-                                 weights=None if weights is None else weights[order.to(weights.device)],
+        id_labels = None
+        if labels is not None:  # float32 as Batch.labels: one process counts them so too (LocalTables)
+            examples = (segment % batch)[order]
+            id_labels = torch.from_numpy(np.asarray(labels, dtype=np.float32))[examples].to(values.device)
+        sent = KeyedJaggedTensor(keys=self.send_keys, values=values[order.to(values.device)], lengths=out_lengths,
+                                 weights=id_labels if weights is None else weights[order.to(weights.device)],
                                  stride=batch)
+        if weights is None or id_labels is None:
+            return sent, None
+        return sent, KeyedJaggedTensor(keys=self.send_keys, values=id_labels, lengths=out_lengths, stride=batch)
 
     def assemble(self, pooled: torch.Tensor, features: KeyedJaggedTensor) -> torch.Tensor:
         """``[batch, sum of dims]`` in config order from the blocks the owners sent back."""
@@ -365,3 +407,14 @@ class ShardedTables(TableEngine):
         for engine in self._engines():
             engine.move_device_tier(device)
 
+
+def _example_labels(local_in: KeyedJaggedTensor, id_labels: torch.Tensor) -> np.ndarray:
+    """Per example of an owner's lookup (every rank's batch, in rank order), the label its
+    ids came with (each id carries its own example's), as float64 like one process's; an
+    example none of whose ids this owner holds reads 0, and no lookup reads it."""
+    batch = local_in.stride()
+    segment = torch.repeat_interleave(torch.arange(len(local_in.keys()) * batch),
+                                      local_in.lengths().cpu().to(torch.int64))
+    labels = np.zeros(batch, dtype=np.float64)
+    labels[(segment % batch).numpy()] = id_labels.cpu().numpy()
+    return labels
