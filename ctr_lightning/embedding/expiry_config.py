@@ -39,8 +39,9 @@ class Expiry:
     The rows' last lookup step travels with the row (8 bytes a row, in memory and in its
     SSD record); the SSD files of expired rows are deleted by the SSD log's cleaning, in
     its thread, never on the step's path. Under ``sparse_sync="k_step"`` the rows' last
-    lookups and the floors move at merges, so a resumed run keeps the rows an uninterrupted
-    one keeps (a ttl in data time needs ``sparse_sync="step"``).
+    lookups, their scores (each rank's lookups of an interval added up at the owner) and
+    the floors move at merges, so a resumed run keeps the rows an uninterrupted one keeps
+    (a ttl in data time needs ``sparse_sync="step"``).
 
     ``Expiry()`` with neither setting expires nothing, but its rows record their last
     lookup step all the same: what delta exports for serving need (``ctr-lightning export

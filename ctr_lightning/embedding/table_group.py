@@ -332,7 +332,8 @@ class TableGroup:
 
     def put_merged(self, tables: np.ndarray, ids: np.ndarray, values: torch.Tensor, current: torch.Tensor) -> None:
         """Under k-step tables, at a merge: :meth:`put_rows` of merged rows whose stamps (where
-        their table expires rows) are the newest lookup on any rank; the expiry's counts follow.
+        their table expires rows) are the newest lookup on any rank, and whose score keys
+        (where a score keeps them) hold every rank's lookups; the expiry's counts follow.
         ``current``: the rows as :meth:`full_rows` read them before the merge."""
         if self.expiry is None:
             self.put_rows(tables, ids, values)
@@ -347,7 +348,9 @@ class TableGroup:
         values[torch.from_numpy(stamped), column : column + STAMP_WORDS] = torch.from_numpy(
             stamp_words(after[stamped])).to(values.dtype)
         self.put_rows(tables, ids, values)
-        self.expiry.relooked(tables[stamped], before[stamped], after[stamped])
+        # What the floors apply to: the stamps, or in a table kept by a score, its buckets.
+        keys_before, keys_after = self.expiry.rank_keys(tables, current), self.expiry.rank_keys(tables, values)
+        self.expiry.relooked(tables[stamped], keys_before[stamped], keys_after[stamped])
 
     def raise_cap_floor(self, table: int, floor: int, clock: int) -> None:
         """A row cap's floor found over every rank's rows (SharedRowCaps), ``clock`` being

@@ -105,7 +105,8 @@ class TieredEmbeddingBagCollection(nn.Module):
         expiry: which stored rows go (:class:`Expiry`: not looked up in ``ttl`` training
             steps, or the least recent above ``max_rows``), for all tables or per table
             name. A row gone reads as one stored nowhere. Tables of hashed ids only; not on
-            data-parallel tables nor under ``sparse_sync="k_step"``.
+            data-parallel tables; under ``sparse_sync="k_step"`` the owners decide at each
+            merge (a ttl in data time is refused there).
 
     Example::
 

@@ -1,7 +1,9 @@
 """The row lifecycle sharded over 2 gloo ranks: admission admits exactly what one process
 does, and expiry with admission keeps exactly the rows one process keeps, straight through
 and across a resume in the middle of the stream, and writes the same delta exports for
-serving; k-step tables keep the same rows across a resume, with expiry too. One launch of the ranks runs every case; each test checks its own."""
+serving; k-step tables keep the same rows across a resume, with expiry too, and with a
+row cap by LFU or show/click score, whose merged scores count every rank's lookups once.
+One launch of the ranks runs every case; each test checks its own."""
 
 import json
 import sys
@@ -194,6 +196,28 @@ if world > 1:
             torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
                         "floors": state["expiry"], "counts": counts},
                        os.path.join(out_dir, f"expiry_{label}_{world}.pt"))
+    def kstep_scoring(label):
+        # A row cap by score under k-step tables: capped (max_rows=25, decaying, with
+        # admission), or "count": never reached, no decay, no admission, so each row's score is
+        # the count of its lookups (show/click: weighted by each example's label) on every rank.
+        score = "show_click" if "click" in label else "lfu"
+        counting = "count" in label
+        t0 = Expiry(max_rows=10**6, score=score, decay=1.0) if counting else Expiry(max_rows=25, score=score,
+                                                                                     decay=0.9)
+        return TieredEmbeddingBagCollection(
+            TABLES, optimizer=SparseAdam(lr=0.05), sharding="row_wise" if "row_wise" in label else "table_wise",
+            admission=None if counting else Admission(admit_after=2), sparse_sync="k_step", sync_every=2,
+            expiry={"t0": t0} if counting else {"t0": t0, "t1": Expiry(ttl=2)},
+            storage=storage("kscored_" + label, device_rows=30, ssd_segment_bytes=4096))
+
+    for label in ["kstep_lfu_row_wise", "kstep_lfu_row_wise+resumed", "kstep_click_table_wise",
+                  "kstep_click_table_wise+resumed", "kstep_count_lfu_row_wise", "kstep_count_click_table_wise"]:
+        ebc, rows, state = run(kstep_scoring, label, steps=14, cut=7, size=32, at_cut=lambda cut_state: None)
+        counts = gathered(ebc.expiry_counts())
+        if rank == 0:
+            torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
+                        "stamps": stamps(state["tables"]["t0"]), "floors": state["expiry"], "counts": counts},
+                       os.path.join(out_dir, f"scored_{label}_{world}.pt"))
     try:  # a ttl in data time under k-step is refused by name, on every rank alike
         TieredEmbeddingBagCollection(TABLES, sharding="row_wise", expiry={"t1": Expiry(ttl="2h")},
                                      sparse_sync="k_step", sync_every=2)(local_kjt(0, 32))
@@ -369,3 +393,50 @@ def test_two_ranks_keep_the_rows_one_process_keeps(runs):
     two = load(runs, "expiry", "row_wise", 2)
     assert all(c["t0"]["expired"] > 0 for c in two["counts"])
     assert sum(c["t0"]["expired"] for c in two["counts"]) == one["counts"][0]["t0"]["expired"]
+
+
+def lookups_of_t0(steps, size, click_weight=None, nonclick_weight=None):
+    """Per id of t0, what its score counts over the global batches (as RANK_SCRIPT makes
+    them), worked out here on its own: its occurrences, or with weights, each weighted by its
+    example's click."""
+    totals = {}
+    for step in range(steps):
+        rng = np.random.default_rng(step)
+        lengths = np.stack([rng.integers(1, 3, size), rng.integers(0, 4, size)])
+        ids = [(rng.zipf(1.3, size=l.sum()) * 7919) % (1 << 40) for l in lengths][0]
+        clicks = (np.random.default_rng(20_000 + step).random(size) < 0.3).astype(np.float32)
+        example = np.repeat(np.arange(size), lengths[0])
+        for i, e in zip(ids.tolist(), example):
+            add = 1.0 if click_weight is None else (click_weight if clicks[e] else nonclick_weight)
+            totals[i] = totals.get(i, 0.0) + add
+    return totals
+
+
+@pytest.mark.slow
+def test_kstep_tables_keep_rows_by_score(runs):
+    # A row cap by LFU or show/click score: straight and resumed keep the same rows, with the
+    # same score keys, and rows did go.
+    for kind in ("kstep_lfu_row_wise", "kstep_click_table_wise"):
+        straight = load(runs, "scored", kind, 2)
+        resumed = load(runs, "scored", kind + "+resumed", 2)
+        evicted = sum(c["t0"]["evicted"] for c in straight["counts"] if "t0" in c)
+        assert evicted > 5 and 10 < len(straight["stored"]["t0"]) <= 25, kind
+        # The owners' live counts per score bucket follow the merged rows.
+        assert len(straight["stored"]["t0"]) == sum(c["t0"]["rows"] for c in straight["counts"] if "t0" in c), kind
+        assert resumed["stored"] == straight["stored"] and resumed["floors"] == straight["floors"], kind
+        assert torch.equal(resumed["stamps"], straight["stamps"]), kind
+        for name, rows in straight["rows"].items():
+            torch.testing.assert_close(resumed["rows"][name], rows, atol=1e-5, rtol=0)
+    lfu, click = (load(runs, "scored", k, 2) for k in ("kstep_lfu_row_wise", "kstep_click_table_wise"))
+    assert click["stored"]["t0"] != lfu["stored"]["t0"]
+    # The merges lose no rank's lookups and count none twice: with no decay and no cap reached,
+    # each row's score is the count of its lookups over both ranks and every interval.
+    for kind, weights in (("kstep_count_lfu_row_wise", {}),
+                          ("kstep_count_click_table_wise", {"click_weight": 1.0, "nonclick_weight": 0.1})):
+        run = load(runs, "scored", kind, 2)
+        want = lookups_of_t0(14, 32, **weights)
+        assert run["stored"]["t0"] == sorted(want), kind
+        scores = np.exp2(run["stamps"][:, -1].double().numpy())
+        expected = np.array([want[i] for i in run["stored"]["t0"]])
+        assert (expected > 3).sum() > 10, kind  # rows looked up in several intervals, by both ranks
+        np.testing.assert_allclose(scores, expected, rtol=1e-5, err_msg=kind)

@@ -26,7 +26,13 @@ from ctr_lightning.embedding.distributed.shard_snapshots import save_shards
 from ctr_lightning.embedding.distributed.shared_row_caps import SharedRowCaps
 from ctr_lightning.embedding.engine import TableEngine, TableState
 from ctr_lightning.embedding.expiry_config import Expiry
-from ctr_lightning.embedding.lifecycle.row_expiry import read_last_seen, stamp_words
+from ctr_lightning.embedding.lifecycle.row_expiry import (
+    FRESH_KEY,
+    STAMP_WORDS,
+    merged_keys,
+    read_last_seen,
+    stamp_words,
+)
 from ctr_lightning.embedding.local_tables import LocalTables
 from ctr_lightning.embedding.sharding_plan import TableSharding, owned_mask, row_owner
 from ctr_lightning.embedding.snapshots.table_snapshot import SnapshotManifest, SnapshotRef
@@ -53,7 +59,11 @@ class KStepTables(TableEngine):
     Tables with an :class:`Expiry` (a ttl in steps, ``max_rows``): the local copy's rows
     record their last lookup step; at a merge each owner takes a row's newest over the
     ranks (the stamp travels exact, beside the rounded optimizer state) and raises its
-    floors to the step count, so the rows kept depend on the merges alone.
+    floors to the step count, so the rows kept depend on the merges alone. In a table kept
+    by a score (LFU, show/click) the local copy's rows also count this rank's lookups (and
+    clicks, from this rank's labels) in a score key of their own, begun empty at the pull;
+    the owner adds the ranks' keys to its row's (exact, beside the stamp), so the merged
+    score holds every lookup of every rank once, and caps the table on it.
 
     Example::
 
@@ -68,9 +78,6 @@ class KStepTables(TableEngine):
         if data_parallel:
             raise ValueError(f"tables {data_parallel}: data_parallel sharding needs sparse_sync='step'; under 'k_step' "
                              f"every rank trains a local copy of the rows it touches already")
-        if setup.scored_tables:
-            raise ValueError(f"tables {setup.scored_tables}: a row cap by score is not supported under "
-                             f"sparse_sync='k_step' yet; use Expiry(score='lru'), or sparse_sync='step'")
         if setup.timed_tables:
             # The owners would need every step's newest event time over the ranks at each merge.
             raise ValueError(f"tables {setup.timed_tables}: an Expiry ttl in data time is not supported under "
@@ -88,10 +95,15 @@ class KStepTables(TableEngine):
         self.caps = SharedRowCaps(self.shard.groups, process_group)  # max_rows of row-wise tables
         # The local copy holds one interval's working set, in memory. It trains every row it
         # touches; admission is the owners' decision, at the merge, on all ranks' sightings.
-        # Expiry too: the copy's rows only record their last lookup step (Expiry()), the
-        # owners take each row's newest over the ranks at the merge and raise their floors.
+        # Expiry too: the copy's rows only record their last lookup step (Expiry()) and,
+        # where a score keeps rows, count it; the owners take each row's newest stamp over the
+        # ranks at the merge, add up the scores, and raise their floors.
         self.local_copy = LocalTables(tables, dataclasses.replace(
-            setup.in_memory(), admission={}, expiry={name: Expiry() for name in setup.expiry}))
+            setup.in_memory(), admission={},
+            expiry={name: e if e.scored else Expiry() for name, e in setup.expiry.items()}))
+        for group in self.local_copy.groups:
+            if group.expiry is not None:
+                group.expiry.keep_all()
         self.admits = bool(setup.admission)
         index = {t.name: i for i, t in enumerate(tables)}
         self.copy_globals = [np.array([index[n] for n in g.names], dtype=np.int64) for g in self.local_copy.groups]
@@ -102,7 +114,7 @@ class KStepTables(TableEngine):
         self.dim = np.array([t.embedding_dim for t in tables], dtype=np.int64)
         # Floats a row's optimizer steps (weights and state); the last-lookup stamp follows.
         self.core = np.array([setup.core_width(t.embedding_dim) for t in tables], dtype=np.int64)
-        self.stamped = np.array([t.name in setup.expiry for t in tables])
+        self.scored = np.array([t.name in setup.scored_tables for t in tables])
         self.state_dtype = state_dtype
         self.copy_group_of = np.zeros(n, dtype=np.int64)
         self.copy_local_of = np.zeros(n, dtype=np.int64)
@@ -152,6 +164,10 @@ class KStepTables(TableEngine):
                     self.merge()
                 self._pull(parts)
         return self.local_copy.forward(features, train, parts)
+
+    def observe_labels(self, labels: Any) -> None:
+        # The clicks of a show/click score: this rank's batch is the one its local copy looks up.
+        self.local_copy.observe_labels(labels)
 
     def skip_nonfinite_updates(self, skip: bool) -> None:
         # Only the local copy trains in backward, on this rank's batches: it skips on this
@@ -227,6 +243,9 @@ class KStepTables(TableEngine):
                 rows = self._unpack(flat[offset : offset + size], end - start, int(t_r[start]))
                 offset += size
                 local = self.copy_local_of[t_r[start:end]]
+                fresh = torch.from_numpy(self.scored[t_r[start:end]])
+                if fresh.any():  # the copy's score keys count this rank's lookups alone (FRESH_KEY)
+                    rows[fresh, int(self.core[t_r[start]]) + STAMP_WORDS] = FRESH_KEY
                 group.hold(local, i_r[start:end], rows)
                 self._bases[g].append((local, i_r[start:end], rows.clone()))
 
@@ -250,7 +269,7 @@ class KStepTables(TableEngine):
             delta = changed.values.cpu() - base_rows[position]
             tables = self.copy_globals[g][changed.tables]
             core = int(self.core[tables[0]])
-            if self.stamped[tables[0]]:  # a stamp travels as it is: the owner takes the newest
+            if group.expiry is not None:  # stamps (and score keys) travel as they are
                 delta[:, core:] = changed.values.cpu()[:, core:]
             dest = self._owner(tables, changed.ids)
             packed = self._pack(delta, int(tables[0]))
@@ -298,7 +317,7 @@ class KStepTables(TableEngine):
             mean /= torch.from_numpy(np.bincount(inverse, minlength=len(first))).to(mean.dtype)[:, None]
             core = int(self.core[tables[0]])
             newest = None
-            if self.stamped[tables[0]]:  # each row's newest lookup on any rank, not a mean
+            if self.width[tables[0]] > core:  # each row's newest lookup on any rank, not a mean
                 newest = np.full(len(first), -1, dtype=np.int64)
                 np.maximum.at(newest, inverse, read_last_seen(rows, core))
             sightings = np.bincount(inverse, weights=np.concatenate([p[3] for p in parts]),
@@ -314,7 +333,8 @@ class KStepTables(TableEngine):
                 current = group.full_rows(local, ids[pick])
                 merged = current + mean[torch.from_numpy(pick)]
                 if newest is not None:
-                    merged[:, core:] = torch.from_numpy(stamp_words(newest[pick]))
+                    merged[:, core : core + STAMP_WORDS] = torch.from_numpy(stamp_words(newest[pick]))
+                    _add_scores(merged, current, rows, inverse, pick, self.scored[tables[pick]], core)
                 group.put_merged(local, ids[pick], merged, current)
         self._expire_owned()
 
@@ -426,6 +446,24 @@ class KStepTables(TableEngine):
         pass
 
 
+def _add_scores(merged: torch.Tensor, current: torch.Tensor, sent: torch.Tensor, inverse: np.ndarray,
+                pick: np.ndarray, scored: np.ndarray, core: int) -> None:
+    """Score keys of merged rows (``merged``, the merge's rows ``pick``, where ``scored``):
+    the owner's score (``current``'s key, where the row was stored and live) plus each
+    rank's score of the interval (``sent``, in rank order, ``inverse``: the merge's row of each)."""
+    rows = np.flatnonzero(scored)
+    if not len(rows):
+        return
+    column = core + STAMP_WORDS
+    at = np.full(int(inverse.max()) + 1, -1, dtype=np.int64)
+    at[pick[rows]] = np.arange(len(rows))
+    sent_rows = np.flatnonzero(at[inverse] >= 0)
+    owner = current[torch.from_numpy(rows)]
+    base = np.where(read_last_seen(owner, core) >= 0, owner[:, column].numpy().astype(np.float64), -np.inf)
+    keys = merged_keys(base, sent[torch.from_numpy(sent_rows), column].numpy(), at[inverse[sent_rows]])
+    merged[torch.from_numpy(rows), column] = torch.from_numpy(keys)
+
+
 def _wire_width(width: int, dim: int, core: int, state_dtype: torch.dtype) -> int:
     """Float32 words of one row on the wire: weights, the state (bfloat16: two a word), then
     any last-lookup stamp as it is."""
@@ -437,10 +475,11 @@ def _pack(rows: torch.Tensor, dim: int, core: int, state_dtype: torch.dtype) -> 
     optimizer state (columns ``dim:core``) rounded to ``state_dtype``, the stamp exact."""
     if state_dtype == torch.float32:
         return rows
-    state = rows[:, dim:core].to(state_dtype)
-    if state.shape[1] % 2:
-        state = torch.nn.functional.pad(state, (0, 1))
-    return torch.cat([rows[:, :dim], state.contiguous().view(torch.float32), rows[:, core:]], dim=1)
+    # A fresh buffer, an even number of columns wide: a slice of one row counts as contiguous
+    # with the stride of the whole row, which may be odd, and would not view as float32.
+    state = torch.zeros(rows.shape[0], core - dim + (core - dim) % 2, dtype=state_dtype)
+    state[:, : core - dim] = rows[:, dim:core]
+    return torch.cat([rows[:, :dim], state.view(torch.float32), rows[:, core:]], dim=1)
 
 
 def _unpack(words: torch.Tensor, dim: int, core: int, width: int, state_dtype: torch.dtype) -> torch.Tensor:

@@ -24,6 +24,11 @@ SCORE_WORDS = 1
 SCORE_BUCKETS = 16
 _NEVER = -(1 << 62)  # the rank of a row never looked up in training: below every floor
 _LOWEST = -(1 << 61)  # a score table's first floor: every row looked up is live
+# A score key that holds nothing (2^key is 0 even in float64, so adding a score to it gives
+# that score exactly) yet ranks above every floor: a k-step local copy starts the rows it
+# pulls from it, so its key counts this rank's lookups of the interval alone, with no
+# rounding of the owner's score in it, and the owner adds the ranks' keys to its own.
+FRESH_KEY = -(2.0 ** 40)
 
 
 def read_last_seen(rows: torch.Tensor | np.ndarray, column: int) -> np.ndarray:
@@ -36,6 +41,18 @@ def read_last_seen(rows: torch.Tensor | np.ndarray, column: int) -> np.ndarray:
 def score_bucket(keys: np.ndarray) -> np.ndarray:
     """The rank bucket of score keys (log2 of scaled scores)."""
     return np.floor(np.asarray(keys, dtype=np.float64) * SCORE_BUCKETS).astype(np.int64)
+
+
+def merged_keys(base: np.ndarray, added: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """Score keys of rows merged over ranks (k-step tables): ``log2(2^base[i] + sum of
+    2^added[j] over j with rows[j] == i)``; ``base``: the owner's keys (-inf: it has no
+    score), ``added``: each rank's key of the interval (begun at :data:`FRESH_KEY`). Scores
+    scaled by ``decay^-step`` add in the linear domain whatever step each lookup came at, so
+    no rank's lookups are lost and none counted twice. They are added in the order given
+    (the ranks'), so every run with the same ranks gets the same floats."""
+    out = np.asarray(base, dtype=np.float64).copy()
+    np.logaddexp2.at(out, rows, np.asarray(added, dtype=np.float64))
+    return out.astype(np.float32)
 
 
 def stamp_words(steps: np.ndarray | int) -> np.ndarray:
@@ -113,6 +130,14 @@ class RowExpiry:
     @property
     def active(self) -> bool:
         return bool(self.stamped.any())
+
+    def keep_all(self) -> None:
+        """No row of this group goes here, while its rows still record their last lookup and
+        their scores: a k-step local copy, whose rows' fate the owners decide at merges."""
+        self.max_rows[:] = -1
+        self.shared_cap[:] = False
+        self.counting[:] = False
+        self.per_table = {}
 
     # -- reads ------------------------------------------------------------------------------
 
