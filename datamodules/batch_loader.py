@@ -81,7 +81,8 @@ class BatchDataLoader(DataLoader):
         self.shard_log = []
         self.held_back = (0, 0)
         self.bad_line_counts = Counter()
-        self.unreadable_files = {f.path: f.records + 1 for f in self.dataset.files if f.unreadable is not None}
+        self.unreadable_files = {f.path: f.first + f.records + 1 for f in self.dataset.files
+                                 if f.unreadable is not None}
         if self.epoch_of is not None:
             self.dataset.epoch = self.epoch_of()  # before the workers start, with a copy of the dataset
         self.padded = 0

@@ -80,8 +80,10 @@ def file_windows(index: FileIndex, log_format: LogFormat, window: int,
     format has the column is a bad line and counts as none."""
     from ctr_lightning.datamodules.stream_dataset import LogStreamDataset  # it imports this module's users
 
-    dataset = LogStreamDataset([index.path], log_format, batch_size=1 << 16, files=[index], numbered=True,
-                               partition_time=partition_time)
+    # Only whole records are cut: a break in the file is the training pass's to report
+    # (bad_files), in the slice whose last part holds it.
+    dataset = LogStreamDataset([index.path], log_format, batch_size=1 << 16, files=[replace(index, unreadable=None)],
+                               numbered=True, partition_time=partition_time, bad_files="skip")
     out: list[tuple[int, int]] = []
     newest: int | None = None
     whole = FileSlice(index.path, 0, index.records, index.header_lines, index.marks)
@@ -123,7 +125,8 @@ def cut_event_time_slices(files: Sequence[FileIndex], log_format: LogFormat, win
             if record > begin:
                 bounds.append((current, n, begin, record))
             current, begin = win, record
-        if index.records > begin:
+        # A file that breaks off keeps a part, if only an empty one, to carry the break.
+        if index.records > begin or index.unreadable is not None:
             if current is None:
                 pending.append((n, begin, index.records))
             else:

@@ -10,7 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from ctr_lightning.datamodules.bad_lines import BadFilePolicy, BadLinePolicy
+from ctr_lightning.datamodules.bad_lines import BadFilePolicy, BadLinePolicy, UnreadableFileError
 from ctr_lightning.datamodules.event_time_slices import EventTimeSlice, cut_event_time_slices
 from ctr_lightning.datamodules.row_index import FileIndex, default_index_dir
 from ctr_lightning.embedding.expiry_config import parse_duration
@@ -238,11 +238,19 @@ class LogDataModule(pl.LightningDataModule):
     def _cut_event_time_slices(self, files: list[str]) -> list[EventTimeSlice]:
         if self.event_time_slices is None:
             self._index(files)
-            # What decides which lines are accepted and what time they hold keys the cached cuts.
+            indexes = [self._indexes[f] for f in files]
+            broken = [i for i in indexes if i.unreadable is not None]
+            if broken and self.bad_files == "fail":  # at set-up, not at the slice holding the break
+                raise UnreadableFileError(broken[0].path, broken[0].records + 1, broken[0].unreadable)
+            # What decides which lines are accepted and what time they hold keys the cached cuts:
+            # the DataModule's arguments and the format's plain settings.
             settings = {k: v for k, v in self.hparams.items() if k not in ("batch_size", "num_workers")}
+            plain = {k: v for k, v in getattr(self.format, "__dict__", {}).items()
+                     if isinstance(v, (str, int, float, bool, type(None), list, tuple, dict))}
             self.event_time_slices = cut_event_time_slices(
-                [self._indexes[f] for f in files], self.format, int(self.slice_seconds),
-                json.dumps([type(self).__name__, settings], sort_keys=True, default=str),
+                indexes, self.format, int(self.slice_seconds),
+                json.dumps([type(self).__name__, type(self.format).__name__, settings, plain], sort_keys=True,
+                           default=str),
                 partition_time=self.partition_time, cache_dir=self.index_dir)
         return self.event_time_slices
 
@@ -381,6 +389,7 @@ class LogDataModule(pl.LightningDataModule):
             "batch_size": self.batch_size,
             "shuffle": [self.shuffle_shards, self.shuffle_seed],
             "shard_batches": shard_batches,
+            **({"slice_every": self.slice_every} if self.online else {}),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -393,6 +402,11 @@ class LogDataModule(pl.LightningDataModule):
         if not state:
             return None
         epoch = self.trainer.current_epoch if self.trainer is not None else 0
+        if self.online and "slice_every" in state and state["slice_every"] != self.slice_every:
+            # Epoch k is the k-th slice: cut otherwise, it would be another stretch of the log.
+            raise ValueError(f"cannot resume this online run: the checkpoint's time slices were cut with slice_every="
+                             f"{state['slice_every']!r}, this run's with {self.slice_every!r}; resume with the same "
+                             f"slice_every")
         if state.get("epoch_done") or (state.get("epoch_done") is None and self.trainer is not None
                                        and _epoch_trained(self.trainer)):
             # Saved once its epoch had trained (epoch end, validation after the last batch,

@@ -8,6 +8,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from ctr_lightning.callbacks import ProgressiveValidation
 from ctr_lightning.datamodules import CriteoDataModule, DelimitedDataModule, DelimitedFormat, write_synthetic_criteo
 from ctr_lightning.datamodules import event_time_slices
+from ctr_lightning.datamodules.bad_lines import UnreadableFileError
 from ctr_lightning.datamodules.batch_loader import BatchDataLoader
 from ctr_lightning.datamodules.event_time_slices import cut_event_time_slices
 from ctr_lightning.datamodules.stream_dataset import LogStreamDataset, index_log_files
@@ -17,13 +18,13 @@ T0 = 1796083200  # 2026-12-01 00:00 UTC
 ROLES = dict(label_column="click", dense_columns=["n"], categorical_columns=["ad"], event_time_column="when")
 
 
-def write_logs(tmp_path, seed=0):
+def write_logs(tmp_path, seed=0, b_rows=90):
     """Two files in name order, each spanning several hours, with late records (an event
     time of an hour already passed), a line without an event time, and a late record at the
     start of the second file. Returns each file's path and its records (n, event time or None)."""
     rng = np.random.default_rng(seed)
     files, n = [], 0
-    for name, (lo, hi), count in [("a.csv", (0, 3), 70), ("b.csv.gz", (2, 6), 90)]:
+    for name, (lo, hi), count in [("a.csv", (0, 3), 70), ("b.csv.gz", (2, 6), b_rows)]:
         times = np.sort(T0 + rng.integers(lo * 3600, hi * 3600, count))
         late = rng.random(count) < 0.15
         times[late] -= rng.integers(0, 2 * 3600, late.sum())  # read after later ones
@@ -54,11 +55,16 @@ def expected_slices(files, window):
     return out
 
 
-def read_ns(parts, rank=0, world_size=1, batch_size=7):
+def read_ns(parts, rank=0, world_size=1, batch_size=7, unreadable=None):
     fmt = DelimitedFormat(**ROLES)
     dataset = LogStreamDataset([p.path for p in parts], fmt, batch_size=batch_size, files=parts, rank=rank,
-                               world_size=world_size, max_bad_fraction=None)
-    return [int(x) for batch in BatchDataLoader(dataset) for x in batch.dense[:, 0].tolist()]
+                               world_size=world_size, max_bad_fraction=None,
+                               bad_files="fail" if unreadable is None else "skip")
+    loader = BatchDataLoader(dataset)
+    out = [int(x) for batch in loader for x in batch.dense[:, 0].tolist()]
+    if unreadable is not None:
+        unreadable.update(loader.unreadable_files)
+    return out
 
 
 @pytest.mark.parametrize("window", [3600, 7200])
@@ -169,3 +175,50 @@ def test_bad_settings_are_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"online mode needs at least two time slices: .* span 1 window of "
                                          r"slice_every '1d'"):
         dm.setup("fit")
+
+
+def test_a_file_that_breaks_off_keeps_its_whole_records_and_its_break_in_its_last_part(tmp_path):
+    files = write_logs(tmp_path, b_rows=8000)  # over the 64 KiB a compressed file is read in
+    broken = files[1][0]
+    data = open(broken, "rb").read()
+    open(broken, "wb").write(data[: len(data) * 2 // 3])  # a gzip stream cut short
+    common = dict(train_paths=[p for p, _ in files], online=True, slice_every="1h", batch_size=8,
+                  max_bad_fraction=None, index_dir=str(tmp_path / "index"), **ROLES)
+    with pytest.raises(UnreadableFileError, match=rf"{broken}: unreadable from record \d+ on"):
+        DelimitedDataModule(**common).setup("fit")  # bad_files="fail": at set-up, before any training
+    dm = DelimitedDataModule(bad_files="skip", **common)
+    dm.setup("fit")
+    whole = dm._indexes[broken].records
+    parts = [p for s in dm.event_time_slices for p in s.parts if p.path == broken]
+    assert 0 < whole < len(files[1][1]) and sum(p.records for p in parts) == whole
+    assert parts[-1].unreadable is not None and all(p.unreadable is None for p in parts[:-1])
+    unreadable = {}
+    ns = [n for s in dm.event_time_slices for n in read_ns(list(s.parts), unreadable=unreadable)]
+    kept = [(path, records if path != broken else records[:whole]) for path, records in files]
+    assert sorted(ns) == sorted(n for window in expected_slices(kept, 3600).values() for n in window)
+    assert unreadable == {broken: whole + 1}  # the first record not read, counted in the whole file
+    # A file with no whole record at all still carries its break into a slice.
+    open(broken, "wb").write(data[:20])
+    dm = DelimitedDataModule(bad_files="skip", **{**common, "index_dir": str(tmp_path / "index2")})
+    dm.setup("fit")
+    (part,) = [p for s in dm.event_time_slices for p in s.parts if p.path == broken]
+    assert part.records == 0 and part.unreadable is not None
+
+
+def test_a_resume_with_another_slice_every_is_refused(tmp_path):
+    files = write_logs(tmp_path)
+
+    def fit(slice_every, ckpt_path=None):
+        dm = DelimitedDataModule(train_paths=[p for p, _ in files], online=True, slice_every=slice_every,
+                                 batch_size=16, max_bad_fraction=None, index_dir=str(tmp_path / "index"), **ROLES)
+        model = DLRMModule(sparse_feature_names=dm.sparse_feature_names, num_dense_features=1, num_embeddings=100,
+                           embedding_dim=4, dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1])
+        pl.Trainer(max_epochs=1, reload_dataloaders_every_n_epochs=1, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                   default_root_dir=tmp_path, callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)]
+                   ).fit(model, datamodule=dm, ckpt_path=ckpt_path)
+
+    fit("1h")
+    with pytest.raises(ValueError, match="checkpoint's time slices were cut with slice_every='1h', this run's with "
+                                         "'2h'"):
+        fit("2h", ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))

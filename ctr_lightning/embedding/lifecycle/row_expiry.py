@@ -25,7 +25,8 @@ SCORE_BUCKETS = 16
 _NEVER = -(1 << 62)  # the rank of a row never looked up in training: below every floor
 _LOWEST = -(1 << 61)  # a score table's first floor: every row looked up is live
 # A score key that holds nothing (2^key is 0 even in float64, so adding a score to it gives
-# that score exactly) yet ranks above every floor: a k-step local copy starts the rows it
+# that score exactly) yet ranks above a table's first floor, which a k-step local copy never
+# raises (it caps nothing: keep_all): a k-step local copy starts the rows it
 # pulls from it, so its key counts this rank's lookups of the interval alone, with no
 # rounding of the owner's score in it, and the owner adds the ranks' keys to its own.
 FRESH_KEY = -(2.0 ** 40)
