@@ -34,6 +34,12 @@ class Admission:
             from a hash of (seed, table, id, step): deterministic, no per-id memory.
         sketch_bytes: memory of the sighting counters of a table (split over the ranks that
             own its rows); at least 645,120 bytes.
+        halve_every: halve every counter each time the table's training step count passes
+            a multiple of this (None: counters only grow), as TinyLFU's reset does: ids seen
+            long ago fade, so a sketch of fixed size does not fill up over a run without
+            end and start admitting ids at their first sighting. An id then needs about
+            ``admit_after`` sightings within ``halve_every`` steps. Applied between steps,
+            the same on every rank and after a resume.
         seed: seeds the sketch's hashes and the probability draws.
 
     Example::
@@ -46,12 +52,17 @@ class Admission:
     probability: float = 1.0
     sketch_bytes: int = 4 << 20
     seed: int = 0
+    halve_every: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.admit_after <= MAX_ADMIT_AFTER:
             raise ValueError(f"Admission.admit_after must be in [1, {MAX_ADMIT_AFTER}], got {self.admit_after}")
         if not 0 < self.probability <= 1:
             raise ValueError(f"Admission.probability must be in (0, 1], got {self.probability}")
+        if self.halve_every is not None and (self.halve_every < 1 or self.admit_after < 2):
+            raise ValueError(f"Admission.halve_every ages the sighting counters of admit_after > 1: it must be a "
+                             f"number of steps >= 1 with admit_after >= 2, got halve_every={self.halve_every}, "
+                             f"admit_after={self.admit_after}")
         if self.admit_after > 1 and self.probability < 1:
             raise ValueError(f"Admission: admit_after ({self.admit_after}) and probability ({self.probability}) are "
                              f"two modes; set one")

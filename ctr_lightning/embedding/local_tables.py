@@ -192,7 +192,7 @@ class LocalTables(TableEngine):
 
     def sightings(self) -> dict[str, np.ndarray]:
         return {name: counts for group in self.groups if group.admission is not None
-                for name, counts in group.admission.state().items()}
+                for name, counts in group.admission.state(group.steps).items()}
 
     def load_sightings(self, state: Mapping[str, np.ndarray]) -> None:
         for group in self.groups:

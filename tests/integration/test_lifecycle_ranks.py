@@ -123,7 +123,9 @@ def admitting(label):
     sync = dict(sparse_sync="k_step", sync_every=2) if label.startswith("kstep") else {}
     return TieredEmbeddingBagCollection(
         TABLES, optimizer=SparseAdam(lr=0.05), sharding=label.split("+")[0].replace("kstep_", ""),
-        admission=Admission(admit_after=2), storage=storage(label, device_rows=40), **sync)
+        # Step-synchronous tables halve the sighting counters every 3 steps (a resume at 5, between).
+        admission=Admission(admit_after=2, halve_every=None if sync else 3), storage=storage(label, device_rows=40),
+        **sync)
 
 LABELS = ["row_wise", "table_wise", "row_wise+resumed"]
 if world > 1:
@@ -218,22 +220,21 @@ if world > 1:
             torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
                         "stamps": stamps(state["tables"]["t0"]), "floors": state["expiry"], "counts": counts},
                        os.path.join(out_dir, f"scored_{label}_{world}.pt"))
-    try:  # a ttl in data time under k-step is refused by name, on every rank alike
-        TieredEmbeddingBagCollection(TABLES, sharding="row_wise", expiry={"t1": Expiry(ttl="2h")},
-                                     sparse_sync="k_step", sync_every=2)(local_kjt(0, 32))
-        refusal = None
-    except ValueError as e:
-        refusal = str(e)
-    if rank == 0:
-        torch.save(refusal, os.path.join(out_dir, "kstep_data_time_refusal.pt"))
-    try:  # a training step of a show/click table without its labels: refused on every rank alike
-        TieredEmbeddingBagCollection(TABLES, sharding="row_wise",
-                                     expiry={"t0": Expiry(max_rows=25, score="show_click")})(local_kjt(0, 32))
-        refusal = None
-    except ValueError as e:
-        refusal = str(e)
-    if rank == 0:
-        torch.save(refusal, os.path.join(out_dir, "unlabelled_refusal.pt"))
+    def save_refusal(name, **settings):
+        # Refused by name, on every rank alike (rank 0 keeps the message).
+        try:
+            TieredEmbeddingBagCollection(TABLES, sharding="row_wise", **settings)(local_kjt(0, 32))
+            refusal = None
+        except ValueError as e:
+            refusal = str(e)
+        if rank == 0:
+            torch.save(refusal, os.path.join(out_dir, name))
+
+    kstep = dict(sparse_sync="k_step", sync_every=2)
+    save_refusal("kstep_data_time_refusal.pt", expiry={"t1": Expiry(ttl="2h")}, **kstep)  # a ttl in data time
+    save_refusal("kstep_halving_refusal.pt", admission=Admission(admit_after=2, halve_every=4), **kstep)
+    # A training step of a show/click table without its labels.
+    save_refusal("unlabelled_refusal.pt", expiry={"t0": Expiry(max_rows=25, score="show_click")})
 print("RESULT {}", flush=True)
 if dist.is_initialized():
     dist.destroy_process_group()
@@ -386,6 +387,8 @@ def test_two_ranks_keep_the_rows_one_process_keeps(runs):
         assert torch.equal(two["stamps"], one["stamps"]), label
     refusal = torch.load(runs / "kstep_data_time_refusal.pt")
     assert "tables ['t1']: an Expiry ttl in data time is not supported under sparse_sync='k_step'" in refusal
+    refusal = torch.load(runs / "kstep_halving_refusal.pt")
+    assert "tables ['t0', 't1']: Admission.halve_every is not supported under sparse_sync='k_step'" in refusal
     refusal = torch.load(runs / "unlabelled_refusal.pt")
     assert "tables ['t0']: Expiry(score='show_click') counts clicks, but this training batch came without" in refusal
     # Row-wise, each rank expired its own share; the counts add up to one process's.

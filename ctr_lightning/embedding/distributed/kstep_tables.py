@@ -82,6 +82,13 @@ class KStepTables(TableEngine):
             # The owners would need every step's newest event time over the ranks at each merge.
             raise ValueError(f"tables {setup.timed_tables}: an Expiry ttl in data time is not supported under "
                              f"sparse_sync='k_step' yet; give the ttl in training steps, or use sparse_sync='step'")
+        halving = sorted(name for name, a in setup.admission.items() if a is not None and a.halve_every is not None)
+        if halving:
+            # The owners count an interval's sightings at its merge, and a checkpoint merges early:
+            # halvings falling inside an interval would split its counts by when saves happen.
+            raise ValueError(f"tables {halving}: Admission.halve_every is not supported under sparse_sync='k_step' "
+                             f"(the sightings of an interval reach the sketch at its merge, so the halvings would "
+                             f"depend on when checkpoints are taken); drop halve_every, or use sparse_sync='step'")
         self.tables = list(tables)
         self.plan = dict(plan)
         self.process_group = process_group

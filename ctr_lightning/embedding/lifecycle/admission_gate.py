@@ -11,6 +11,8 @@ from ctr_lightning.embedding.initializer import table_key
 from ctr_lightning.embedding.lifecycle.sighting_sketch import SightingSketch
 from ctr_lightning.hashing import splitmix64
 
+HALVINGS = ":halvings"  # the key of a table's halvings beside its counters in state()
+
 
 class AdmissionGate:
     """The admission of one table group's tables (:class:`Admission`, None: every id).
@@ -63,6 +65,8 @@ class AdmissionGate:
         setting = self.settings[table]
         sketch = self.sketches[table]
         if sketch is not None:
+            if setting.halve_every is not None:
+                sketch.age(step // setting.halve_every)
             return sketch.add(ids, sightings) >= setting.admit_after
         # Each of the c sightings admits with probability p: 1 - (1 - p)^c in all, one draw
         # per (seed, table, id, step).
@@ -71,9 +75,20 @@ class AdmissionGate:
         draw = (splitmix64(ids.astype(np.uint64) ^ key) >> np.uint64(11)).astype(np.float64) / float(1 << 53)
         return draw < chance
 
-    def state(self) -> dict[str, np.ndarray]:
-        """Per counting table, its sketch's :meth:`SightingSketch.state`."""
-        return {n: s.state() for n, s in zip(self.names, self.sketches) if s is not None}
+    def state(self, steps: np.ndarray) -> dict[str, np.ndarray]:
+        """Per counting table, its sketch's :meth:`SightingSketch.state`, aged to the tables'
+        step counts ``steps``; where counters are halved (``Admission.halve_every``), also
+        ``"<table>:halvings"``, the halvings in them (``[1]`` int64: ranks' entries join by
+        their maximum, as the counters do)."""
+        out = {}
+        for t, (name, setting, sketch) in enumerate(zip(self.names, self.settings, self.sketches)):
+            if sketch is None:
+                continue
+            if setting.halve_every is not None:
+                sketch.age(int(steps[t]) // setting.halve_every)
+                out[name + HALVINGS] = np.array([sketch.halvings], dtype=np.int64)
+            out[name] = sketch.state()
+        return out
 
     def load(self, state: dict[str, np.ndarray]) -> None:
         for name, sketch in zip(self.names, self.sketches):
@@ -83,3 +98,6 @@ class AdmissionGate:
                 raise KeyError(f"table {name!r} counts sightings (Admission.admit_after > 1) but the checkpoint holds "
                                f"no counters for it (saved without admission?)")
             sketch.load(np.asarray(state[name]))
+            # Saved without halving: the halvings start from the next count's step.
+            halvings = state.get(name + HALVINGS)
+            sketch.halvings = int(np.asarray(halvings).reshape(-1)[0]) if halvings is not None else None

@@ -48,10 +48,24 @@ class SightingSketch:
         self.seeds = np.array([splitmix64_one(splitmix64_one(np.uint64(seed) ^ key) + np.uint64(j))
                                for j in range(DEPTH)], dtype=np.uint64)
         self.counts = np.zeros((PARTITIONS // world, DEPTH, width), dtype=np.uint8)
+        # How many times every counter was halved (Admission.halve_every); None: counters
+        # loaded from a run that did not halve them, whose halvings start at the next count.
+        self.halvings: int | None = 0
 
     @property
     def nbytes(self) -> int:
         return self.counts.nbytes
+
+    def age(self, halvings: int) -> None:
+        """Halve every counter until ``halvings`` halvings are applied in all. Halving k times
+        at once equals k single halvings (an integer shift), so halving lazily, at the next
+        count, gives what halving at every due step would."""
+        if self.halvings is None:
+            self.halvings = halvings
+        due = halvings - self.halvings
+        if due > 0:
+            self.counts >>= min(due, 8)
+            self.halvings = halvings
 
     def add(self, ids: np.ndarray, occurrences: np.ndarray) -> np.ndarray:
         """Count ``occurrences[i]`` sightings of each of ``ids`` (unique, owned here); returns

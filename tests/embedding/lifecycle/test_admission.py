@@ -63,6 +63,48 @@ def test_admit_after_trains_as_if_earlier_sightings_were_absent(tmp_path, kernel
     assert admitting.tier_stats()["ssd_hits"] > 0  # admitted rows went through the SSD tier
 
 
+def without_unadmitted_halving(steps, admit_after: int, every: int):
+    """As :func:`without_unadmitted`, with every count halved (rounding down) each time the
+    step count passes a multiple of ``every``, before that step's sightings count; an id
+    admitted keeps its row."""
+    seen, halved, stored = [Counter(), Counter()], [0, 0], [set(), set()]
+
+    def admitted(step, f, ids):
+        while halved[f] < step // every:
+            seen[f] = Counter({i: c // 2 for i, c in seen[f].items() if c // 2})
+            halved[f] += 1
+        seen[f].update(ids.tolist())
+        stored[f].update(i for i in ids.tolist() if seen[f][i] >= admit_after)
+        return np.array([i in stored[f] for i in ids.tolist()], dtype=bool)
+
+    return occurrences_kept(steps, admitted)
+
+
+def test_halving_the_counters_forgets_old_sightings_exactly_and_across_a_resume(tmp_path):
+    steps = zipf_stream(4, 24, BATCH, 1.3)
+    setting = Admission(admit_after=3, halve_every=4)
+    halving = collection(tmp_path, "h", admission=setting)
+    reference = collection(tmp_path, "r")
+    got = train(halving, steps)
+    want = train(reference, without_unadmitted_halving(steps, 3, 4))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # Halving changes what is admitted: fewer ids than counting for ever.
+    forever = collection(tmp_path, "f", admission=Admission(admit_after=3))
+    train(forever, steps)
+    assert halving.tier_stats()["rows_admitted"] < forever.tier_stats()["rows_admitted"] - 10
+    # A resume between two halvings (step 10; the next is due at 12) and one right at one (step 12).
+    in_memory = lambda: TieredEmbeddingBagCollection(TABLES, optimizer=SparseAdam(lr=0.05), seed=3, admission=setting)
+    uninterrupted = train(in_memory(), steps)
+    for cut in (10, 12):
+        first = in_memory()
+        train(first, steps[:cut])
+        resumed = in_memory()
+        resumed.load_state_dict(first.state_dict())
+        for a, b in zip(train(resumed, steps[cut:]), uninterrupted[cut:]):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_mean_pooling_counts_an_unadmitted_id_as_a_zero_row():
     table = EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=100, feature_names=["f0"],
                                pooling=PoolingType.MEAN)
@@ -123,6 +165,10 @@ def test_bad_admission_settings_name_the_setting_or_table():
         Admission(probability=0.0)
     with pytest.raises(ValueError, match="two modes"):
         Admission(admit_after=2, probability=0.5)
+    with pytest.raises(ValueError, match="halve_every ages the sighting counters of admit_after > 1"):
+        Admission(admit_after=1, halve_every=10)
+    with pytest.raises(ValueError, match="halve_every=0"):
+        Admission(admit_after=2, halve_every=0)
     with pytest.raises(ValueError, match="table 't0'.*sketch_bytes 1000 is below"):
         TieredEmbeddingBagCollection(TABLES, admission={"t0": Admission(admit_after=2, sketch_bytes=1000)})
     with pytest.raises(ValueError, match=r"unknown tables \['nope'\]"):
