@@ -13,6 +13,7 @@ import pyarrow.csv as pacsv
 
 from ctr_lightning.datamodules import field_decoders as fd
 from ctr_lightning.datamodules.avazu_schema import AVAZU_COLUMNS, AVAZU_HEADERS, AVAZU_TEST_COLUMNS
+from ctr_lightning.datamodules.row_index import UTF8_BOM
 from ctr_lightning.datamodules.bad_lines import BadLineError
 from ctr_lightning.datamodules.format_hints import format_hint
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
@@ -187,7 +188,7 @@ def _columns(head: bytes, header_lines: int) -> tuple[str, ...] | str:
     """A file's columns from its head (its header, or the width most of its first lines
     have, so one damaged line does not decide the layout), or why it is no Avazu file."""
     lines = head.split(b"\n")
-    first = lines[0].rstrip(b"\r")
+    first = lines[0].rstrip(b"\r").removeprefix(UTF8_BOM)
     if header_lines:
         return AVAZU_HEADERS.get(first) or (f"expected the Avazu header {','.join(AVAZU_COLUMNS)} (or its test "
                                             f"file's, without click)")

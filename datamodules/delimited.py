@@ -19,7 +19,7 @@ from ctr_lightning.datamodules.bad_lines import BadLineError
 from ctr_lightning.datamodules.format_hints import format_hint
 from ctr_lightning.datamodules.log_datamodule import LogDataModule
 from ctr_lightning.datamodules.log_format import DecodedRows, JaggedIds
-from ctr_lightning.datamodules.row_index import FileIndex
+from ctr_lightning.datamodules.row_index import UTF8_BOM, FileIndex
 from ctr_lightning.datamodules.sources import FileSlice, read_csv_slice
 
 Column = str | int  # a header name, or a 0-based position
@@ -176,7 +176,7 @@ class DelimitedFormat:
         if b"\n" not in head:  # a first line longer than the head the index keeps
             with fsspec.open(path, "rb", compression="infer") as f:
                 head = f.readline()
-        first = head.split(b"\n", 1)[0].removeprefix(b"\xef\xbb\xbf")  # (a UTF-8 byte order mark)
+        first = head.split(b"\n", 1)[0].removeprefix(UTF8_BOM)
         fields = self._split(first)
         width = len(fields) if self.header or not self.num_fields else self.num_fields
         names = fields if self.header else None

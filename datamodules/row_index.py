@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 _READ = 1 << 20
 _HEAD = 1024  # bytes kept from the top of each file
-_VERSION = 3  # 3: FileIndex.unreadable
+_VERSION = 4  # 3: FileIndex.unreadable; 4: a byte order mark before a HeaderIf header
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ class HeaderIf:
     lines: tuple[bytes, ...]
 
     def __call__(self, head: bytes) -> int:
-        return int(head.split(b"\n", 1)[0].rstrip(b"\r") in self.lines)
+        # A UTF-8 byte order mark (spreadsheet exports write one) is no part of the header.
+        return int(head.split(b"\n", 1)[0].rstrip(b"\r").removeprefix(UTF8_BOM) in self.lines)
 
 
 # Lines at the top of every file that are not records: a number, or a rule on the file's head.

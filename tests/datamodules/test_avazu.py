@@ -93,12 +93,13 @@ def test_header_less_files_are_read_in_the_standard_column_order(avazu_sample, t
     (tmp_path / "b.csv").write_text(headless)
     with gzip.open(tmp_path / "c.csv.gz", "wt") as g:
         g.write(headless)
+    (tmp_path / "d.csv").write_bytes(b"\xef\xbb\xbf" + text.encode())  # a spreadsheet's byte order mark
     dm = AvazuDataModule(train_paths=[str(tmp_path)], batch_size=32, num_workers=2, bad_lines="raise")
     labels, ids = collect(dm)
-    assert [(i.records, i.header_lines) for i in dm._indexes.values()] == [(100, 1), (100, 0), (100, 0)]
+    assert [(i.records, i.header_lines) for i in dm._indexes.values()] == [(100, 1), (100, 0), (100, 0), (100, 1)]
     want_labels, want_ids = reference(avazu_sample)
     got = sorted(zip(labels.tolist(), map(tuple, ids.tolist())))
-    assert got == sorted(zip(want_labels.tolist() * 3, map(tuple, want_ids.tolist() * 3)))
+    assert got == sorted(zip(want_labels.tolist() * 4, map(tuple, want_ids.tolist() * 4)))
 
 
 def test_the_test_layout_without_click_is_scored_with_empty_labels_and_refused_for_training(avazu_sample, tmp_path):
