@@ -50,6 +50,14 @@ def _home(h, size):
     return np.int64(((h & _IN_SHARD) * np.uint64(size)) >> np.uint64(24))
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _distance(pos, home, size):
+    """How far ``pos`` is past ``home`` around a shard of ``size``: a compare, where a
+    modulo (Python's, for a signed difference) costs a division on every probe."""
+    d = pos - home
+    return d + size if d < 0 else d
+
+
 @numba.njit(cache=True, nogil=True)
 def _insert_entry(entries, h, record_plus_one) -> int:
     """Robin Hood insert of a new entry into its shard; returns its probe distance."""
@@ -63,7 +71,7 @@ def _insert_entry(entries, h, record_plus_one) -> int:
         if cur == 0:
             entries[pos] = word
             return max(longest, dist)
-        cur_dist = (pos - _home(cur >> np.uint64(32), size)) % size
+        cur_dist = _distance(pos, _home(cur >> np.uint64(32), size), size)
         if cur_dist < dist:  # take the place of the richer entry, carry it on
             entries[pos] = word
             word = cur
@@ -86,7 +94,7 @@ def _find(entries, h, record_plus_one, start_after) -> np.int64:
         cur = entries[pos]
         if cur == 0:
             return -1
-        if (pos - _home(cur >> np.uint64(32), size)) % size < dist:
+        if _distance(pos, _home(cur >> np.uint64(32), size), size) < dist:
             return -1  # Robin Hood: a key this far from home would have been placed before
         if cur >> np.uint64(32) == h:
             if record_plus_one != 0:
@@ -152,7 +160,7 @@ def _lookup(shards, hashes, out, probe):
                 hint(following, _home(keys[ahead], len(following)))
             pos = _find(entries, keys[k], 0, -1)
             found[k] = -1 if pos < 0 else np.int64(entries[pos] & _LOW) - 1
-            probes[k] = -1 if pos < 0 else (pos - _home(keys[k], size)) % size
+            probes[k] = -1 if pos < 0 else _distance(pos, _home(keys[k], size), size)
     out[order] = found
     probe[order] = probes
 
@@ -217,7 +225,7 @@ def _remove(shards, hashes, records, removed):
                 if after == size:
                     after = 0
                 cur = entries[after]
-                if cur == 0 or (after - _home(cur >> np.uint64(32), size)) % size == 0:
+                if cur == 0 or _distance(after, _home(cur >> np.uint64(32), size), size) == 0:
                     entries[pos] = 0
                     break
                 entries[pos] = cur
