@@ -254,10 +254,6 @@ class LogDataModule(pl.LightningDataModule):
                 partition_time=self.partition_time, cache_dir=self.index_dir)
         return self.event_time_slices
 
-    def online_files(self, split: str) -> list[str]:
-        """This epoch's slice: day k for training, day k + 1 for validation."""
-        return [p.path for p in self._online_slice(split)[1]]
-
     def _online_slice(self, split: str) -> tuple[tuple[str, float | None], list[FileIndex], list[str]]:
         """This epoch's slice (slice k trains, slice k + 1 validates): its name and start, the
         parts of files it reads, and how a checkpoint names them."""
@@ -285,8 +281,8 @@ class LogDataModule(pl.LightningDataModule):
             named, parts, files = self._online_slice(split)
         else:
             files = self.followed_files() if split == "train" and self.followed is not None else self.files[split]
-            named, parts = (slice_name(files), slice_event_time(files)) if files else ("", None), \
-                [self._indexes[f] for f in files]
+            named = (slice_name(files), slice_event_time(files)) if files else ("", None)
+            parts = [self._indexes[f] for f in files]
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         self.epoch_files[split], self.epoch_slices[split] = files, named

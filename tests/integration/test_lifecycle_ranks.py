@@ -148,16 +148,21 @@ def expiring(label):
         TABLES, optimizer=SparseAdam(lr=0.05), sharding=sharding, admission=Admission(admit_after=2), expiry=expiry,
         storage=storage("expiry_" + label, device_rows=30, ssd_segment_bytes=4096), **sync)
 
-for label in ["row_wise", "row_wise+resumed", "table_wise", "table_wise+resumed"]:
-    # A full export for serving at the cut, and a delta after it at the end.
+def run_exporting(make, label, kind, **saved):
+    # 14 steps cut at 7: a full export for serving at the cut, and a delta after it at the end;
+    # rank 0 saves the rows, ids, floors and counts (and what ``saved`` computes from the state).
     base = f"export_{label}_{world}_cut"
-    ebc, rows, state = run(expiring, label, steps=14, cut=7, size=32,
+    ebc, rows, state = run(make, label, steps=14, cut=7, size=32,
                            at_cut=lambda cut_state: export(cut_state, base) if rank == 0 else None)
     counts = gathered(ebc.expiry_counts())
     if rank == 0:
         export(state, f"export_{label}_{world}_end", since=os.path.join(out_dir, base))
         torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
-                    "floors": state["expiry"], "counts": counts}, os.path.join(out_dir, f"expiry_{label}_{world}.pt"))
+                    "floors": state["expiry"], "counts": counts, **{k: f(state) for k, f in saved.items()}},
+                   os.path.join(out_dir, f"{kind}_{label}_{world}.pt"))
+
+for label in ["row_wise", "row_wise+resumed", "table_wise", "table_wise+resumed"]:
+    run_exporting(expiring, label, "expiry")
 def scoring(label):
     score = {"lfu": "lfu", "click": "show_click"}[label.split("_")[0]]
     weighted = "weighted" in label  # weighted bags pool by sum
@@ -179,15 +184,7 @@ for label in ["lfu_table_wise", "lfu_table_wise+resumed", "lfu_row_wise", "lfu_r
     # occurrences (and clicks) of their rows; row-wise, the floor is found over every rank's
     # score buckets (SharedRowCaps). Clicks travel as the ids' weights, or, where the ids carry
     # pooling weights, on their own. A full export at the cut and a delta after it at the end.
-    base = f"export_{label}_{world}_cut"
-    ebc, rows, state = run(scoring, label, steps=14, cut=7, size=32,
-                           at_cut=lambda cut_state: export(cut_state, base) if rank == 0 else None)
-    counts = gathered(ebc.expiry_counts())
-    if rank == 0:
-        export(state, f"export_{label}_{world}_end", since=os.path.join(out_dir, base))
-        torch.save({"rows": rows, "stored": {n: sorted(s["ids"].tolist()) for n, s in state["tables"].items()},
-                    "stamps": stamps(state["tables"]["t0"]),
-                    "floors": state["expiry"], "counts": counts}, os.path.join(out_dir, f"scored_{label}_{world}.pt"))
+    run_exporting(scoring, label, "scored", stamps=lambda state: stamps(state["tables"]["t0"]))
 if world > 1:
     # k-step tables (merges every 2 steps; the owners raise their floors at each merge), with
     # a checkpoint at the cut as above: resumed or not, the same rows kept.

@@ -65,8 +65,7 @@ class AdmissionGate:
         setting = self.settings[table]
         sketch = self.sketches[table]
         if sketch is not None:
-            if setting.halve_every is not None:
-                sketch.age(step // setting.halve_every)
+            self._age(table, step)
             return sketch.add(ids, sightings) >= setting.admit_after
         # Each of the c sightings admits with probability p: 1 - (1 - p)^c in all, one draw
         # per (seed, table, id, step).
@@ -85,10 +84,16 @@ class AdmissionGate:
             if sketch is None:
                 continue
             if setting.halve_every is not None:
-                sketch.age(int(steps[t]) // setting.halve_every)
+                self._age(t, int(steps[t]))
                 out[name + HALVINGS] = np.array([sketch.halvings], dtype=np.int64)
             out[name] = sketch.state()
         return out
+
+    def _age(self, table: int, step: int) -> None:
+        """Table ``table``'s counters with every halving due by its step count ``step``."""
+        every = self.settings[table].halve_every
+        if every is not None:
+            self.sketches[table].age(step // every)
 
     def load(self, state: dict[str, np.ndarray]) -> None:
         for name, sketch in zip(self.names, self.sketches):
