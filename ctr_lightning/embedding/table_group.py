@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -314,11 +314,12 @@ class TableGroup:
         """``[weights | optimizer state]`` of rows, freshest tier first; reads only."""
         return self.tiers.full_rows(tables, ids)
 
-    def admit_merged(self, tables: np.ndarray, ids: np.ndarray, sightings: np.ndarray, clock: int) -> np.ndarray:
+    def admit_merged(self, tables: np.ndarray, ids: np.ndarray, sightings: np.ndarray, segment_steps: np.ndarray,
+                     clock: int) -> np.ndarray:
         """Under k-step tables, at a merge: which of these rows (unique) keep their merged
         deltas. Rows stored already do; in tables that admit ids selectively, a row stored
-        nowhere does when admission takes it with the interval's ``sightings`` (all ranks'),
-        ``clock`` being the draws' step."""
+        nowhere does when admission takes it with the interval's ``sightings`` (all ranks',
+        ``[n, segments]``, see :meth:`AdmissionGate.admit`), ``clock`` being the draws' step."""
         keep = np.ones(len(ids), dtype=bool)
         if self.admission is None:
             return keep
@@ -327,7 +328,8 @@ class TableGroup:
             pick = np.flatnonzero(filtering)
             unstored = pick[~self.tiers.stored(tables[pick], ids[pick])]
             steps = np.full(len(self.names), clock, dtype=np.int64)
-            keep[unstored] = self.admission.admit(tables[unstored], ids[unstored], sightings[unstored], steps)
+            keep[unstored] = self.admission.admit(tables[unstored], ids[unstored], sightings[unstored], steps,
+                                                  segment_steps)
         return keep
 
     def put_merged(self, tables: np.ndarray, ids: np.ndarray, values: torch.Tensor, current: torch.Tensor) -> None:
@@ -358,12 +360,17 @@ class TableGroup:
         self.expiry.raise_cap_floor(table, floor, clock)
         self.tiers.expire_below(self.expiry.floor)
 
-    def expire_until(self, clock: np.ndarray) -> None:
+    def expire_until(self, clock: np.ndarray, times: Sequence[tuple[np.ndarray, float | None]] = ()) -> None:
         """Under k-step tables, after a merge: the floors rise to the tables' step counts
-        ``clock`` (the training steps every rank took)."""
+        ``clock`` (the training steps every rank took) and, for a ttl in data time, with
+        ``times``: per training step of the interval, what its lookups stamped (per table)
+        and its newest event time over all ranks."""
         if self.expiry is not None:
             self.recount_if_loaded()
-            self.expiry.advance(clock)
+            if self.expiry.timed.any():
+                for stamped, seconds in times:
+                    self.expiry.observe(stamped, seconds)
+            self.expiry.raise_floors(clock)
             self.tiers.expire_below(self.expiry.floor)
 
     def put_rows(self, tables: np.ndarray, ids: np.ndarray, values: torch.Tensor) -> None:

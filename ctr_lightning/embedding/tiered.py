@@ -106,7 +106,7 @@ class TieredEmbeddingBagCollection(nn.Module):
             steps, or the least recent above ``max_rows``), for all tables or per table
             name. A row gone reads as one stored nowhere. Tables of hashed ids only; not on
             data-parallel tables; under ``sparse_sync="k_step"`` the owners decide at each
-            merge (a ttl in data time is refused there).
+            merge (in data time, on every step's newest event time over the ranks).
 
     Example::
 

@@ -18,10 +18,12 @@ from ctr_lightning.embedding.distributed.collectives import (
     UnevenAllToAll,
     broadcast_from_rank0,
     gather_floors,
+    gather_objects,
     gather_sightings,
     gather_tables,
     owners_rows,
 )
+from ctr_lightning.embedding.distributed.kstep_interval import IntervalRecord
 from ctr_lightning.embedding.distributed.shard_snapshots import save_shards
 from ctr_lightning.embedding.distributed.shared_row_caps import SharedRowCaps
 from ctr_lightning.embedding.engine import TableEngine, TableState
@@ -29,6 +31,7 @@ from ctr_lightning.embedding.expiry_config import Expiry
 from ctr_lightning.embedding.lifecycle.row_expiry import (
     FRESH_KEY,
     STAMP_WORDS,
+    join_clock_states,
     merged_keys,
     read_last_seen,
     stamp_words,
@@ -78,17 +81,6 @@ class KStepTables(TableEngine):
         if data_parallel:
             raise ValueError(f"tables {data_parallel}: data_parallel sharding needs sparse_sync='step'; under 'k_step' "
                              f"every rank trains a local copy of the rows it touches already")
-        if setup.timed_tables:
-            # The owners would need every step's newest event time over the ranks at each merge.
-            raise ValueError(f"tables {setup.timed_tables}: an Expiry ttl in data time is not supported under "
-                             f"sparse_sync='k_step' yet; give the ttl in training steps, or use sparse_sync='step'")
-        halving = sorted(name for name, a in setup.admission.items() if a is not None and a.halve_every is not None)
-        if halving:
-            # The owners count an interval's sightings at its merge, and a checkpoint merges early:
-            # halvings falling inside an interval would split its counts by when saves happen.
-            raise ValueError(f"tables {halving}: Admission.halve_every is not supported under sparse_sync='k_step' "
-                             f"(the sightings of an interval reach the sketch at its merge, so the halvings would "
-                             f"depend on when checkpoints are taken); drop halve_every, or use sparse_sync='step'")
         self.tables = list(tables)
         self.plan = dict(plan)
         self.process_group = process_group
@@ -112,8 +104,14 @@ class KStepTables(TableEngine):
             if group.expiry is not None:
                 group.expiry.keep_all()
         self.admits = bool(setup.admission)
+        self.timed = bool(setup.timed_tables)
         index = {t.name: i for i, t in enumerate(tables)}
         self.copy_globals = [np.array([index[n] for n in g.names], dtype=np.int64) for g in self.local_copy.groups]
+        self.shard_globals = [np.array([index[n] for n in g.names], dtype=np.int64) for g in self.shard.groups]
+        halve_every = [getattr(setup.admission.get(t.name), "halve_every", None) or 0 for t in tables]
+        # This interval's sightings (admission) and event times (a ttl in data time), for the merge.
+        self.interval = IntervalRecord(len(self.local_copy.groups), np.array(halve_every, dtype=np.int64))
+        self._event_time: float | None = None
         self.is_row_wise = np.array([plan[t.name].kind == "row_wise" for t in tables])
         self.table_owner = np.array([plan[t.name].owner for t in tables], dtype=np.int64)
         n = len(tables)
@@ -137,8 +135,6 @@ class KStepTables(TableEngine):
         for name, (g, local) in self.shard.table_of_name.items():
             self.shard_group_of[index[name]], self.shard_local_of[index[name]] = g, local
         self._bases: list[list[tuple[np.ndarray, np.ndarray, torch.Tensor]]] = [[] for _ in self.local_copy.groups]
-        # Under admission, per group, the (tables, ids, occurrences) of this interval's training batches.
-        self._sightings: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[] for _ in self.local_copy.groups]
         self.merges = 0
         self._exchange = UnevenAllToAll(process_group)
 
@@ -159,6 +155,8 @@ class KStepTables(TableEngine):
                 self.merge()
             # A synchronous step (warm-up) is merged right after, as k = 1 would be.
             self._merge_due = self.schedule.synchronous() | self.schedule.step()
+            self.interval.note_step(self._step_counts(), self._event_time)
+            self._event_time = None
             self._pull(parts, count=self.admits)
         else:
             # The rows the merge and the pull keep must stay normal tensors when evaluation
@@ -171,6 +169,10 @@ class KStepTables(TableEngine):
                     self.merge()
                 self._pull(parts)
         return self.local_copy.forward(features, train, parts)
+
+    def observe_event_time(self, seconds: float | None) -> None:
+        # Kept for the merge, which takes each step's newest over the ranks: no collective a step.
+        self._event_time = seconds
 
     def observe_labels(self, labels: Any) -> None:
         # The clicks of a show/click score: this rank's batch is the one its local copy looks up.
@@ -193,7 +195,7 @@ class KStepTables(TableEngine):
             first, inverse = group.dedup_ahead(tables, ids)
             t, i = tables[first], ids[first]
             if count:
-                self._sightings[g].append((t, i, np.bincount(inverse, minlength=len(first))))
+                self.interval.note_sightings(g, t, i, np.bincount(inverse, minlength=len(first)))
             missing = group.absent(t, i)
             wanted_tables.append(self.copy_globals[g][t[missing]])
             wanted_ids.append(i[missing])
@@ -208,19 +210,6 @@ class KStepTables(TableEngine):
         expected = np.bincount(dest, weights=self.wire_width[tables], minlength=self.world).astype(np.int64)
         received = self._exchange(torch.cat(answers), [a.numel() for a in answers], expected.tolist())
         self._insert(tables, ids, counts, received)
-
-    def _interval_sightings(self, g: int, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """This rank's occurrences of each of these rows (group ``g``) in the interval's training batches."""
-        seen = self._sightings[g]
-        if not seen:
-            return np.zeros(len(ids), dtype=np.int64)
-        first, inverse = dedup(np.concatenate([s[0] for s in seen]), np.concatenate([s[1] for s in seen]))
-        totals = np.bincount(inverse, weights=np.concatenate([s[2] for s in seen]), minlength=len(first))
-        index = KeyIndex()
-        index.insert(np.concatenate([s[0] for s in seen])[first], np.concatenate([s[1] for s in seen])[first],
-                     np.arange(len(first), dtype=np.int64))
-        at = index.lookup(tables, ids)
-        return np.where(at >= 0, totals[np.maximum(at, 0)], 0).astype(np.int64)
 
     def _owned_rows(self, tables: np.ndarray, ids: np.ndarray) -> torch.Tensor:
         """Full rows (weights and optimizer state) this owner holds, packed for the wire, in order."""
@@ -281,14 +270,15 @@ class KStepTables(TableEngine):
             dest = self._owner(tables, changed.ids)
             packed = self._pack(delta, int(tables[0]))
             columns = [tables, changed.ids]
-            if self.admits:  # the owners admit on every rank's sightings
-                columns.append(self._interval_sightings(g, changed.tables, changed.ids))
+            if self.admits:  # the owners admit on every rank's sightings, per segment of the interval
+                columns.extend(self.interval.sightings(g, changed.tables, changed.ids).T)
             for r in range(self.world):  # each destination gets one block per group
                 mine = dest == r
                 if mine.any():
                     keys[r].append(np.stack([c[mine] for c in columns], axis=1))
                     flats[r].append(packed[torch.from_numpy(mine)].reshape(-1))
-        sent_keys = [np.concatenate(k) if k else np.empty((0, 3 if self.admits else 2), dtype=np.int64) for k in keys]
+        columns = 2 + (self.interval.segments if self.admits else 0)
+        sent_keys = [np.concatenate(k) if k else np.empty((0, columns), dtype=np.int64) for k in keys]
         sent_flat = [torch.cat(f) if f else torch.empty(0) for f in flats]
         got_keys = self._exchange(torch.from_numpy(np.concatenate(sent_keys)), [len(k) for k in sent_keys])
         expected = [int(self.wire_width[k[:, 0].numpy()].sum()) for k in got_keys]
@@ -297,7 +287,7 @@ class KStepTables(TableEngine):
         for g, group in enumerate(self.local_copy.groups):
             group.forget()
             self._bases[g] = []
-            self._sightings[g] = []
+        self.interval.clear()
         self._merge_due = False
         self.schedule.note_merge()  # unscheduled merges (evaluation, checkpoints) do not move the schedule
         self.merges += 1
@@ -312,7 +302,7 @@ class KStepTables(TableEngine):
                 rows = self._unpack(flat[offset : offset + size], end - start, int(keys[start, 0]))
                 offset += size
                 g = int(self.copy_group_of[keys[start, 0]])
-                seen = keys[start:end, 2] if self.admits else np.zeros(end - start, dtype=np.int64)
+                seen = keys[start:end, 2:] if self.admits else np.zeros((end - start, 1), dtype=np.int64)
                 per_group.setdefault(g, []).append((keys[start:end, 0], keys[start:end, 1], rows, seen))
         for parts in per_group.values():
             tables = np.concatenate([p[0] for p in parts])
@@ -327,15 +317,16 @@ class KStepTables(TableEngine):
             if self.width[tables[0]] > core:  # each row's newest lookup on any rank, not a mean
                 newest = np.full(len(first), -1, dtype=np.int64)
                 np.maximum.at(newest, inverse, read_last_seen(rows, core))
-            sightings = np.bincount(inverse, weights=np.concatenate([p[3] for p in parts]),
-                                    minlength=len(first)).astype(np.int64)
+            sightings = np.zeros((len(first), parts[0][3].shape[1]), dtype=np.int64)
+            np.add.at(sightings, inverse, np.concatenate([p[3] for p in parts]))
             tables, ids = tables[first], ids[first]
             for sg in np.unique(self.shard_group_of[tables]):
                 pick = np.flatnonzero(self.shard_group_of[tables] == sg)
                 group = self.shard.groups[int(sg)]
                 local = self.shard_local_of[tables[pick]]
                 # Rows stored nowhere keep their deltas only where admission takes them now.
-                keep = group.admit_merged(local, ids[pick], sightings[pick], self.schedule.steps)
+                keep = group.admit_merged(local, ids[pick], sightings[pick],
+                                          self.interval.segment_steps()[:, self.shard_globals[int(sg)]], self.schedule.steps)
                 pick, local = pick[keep], local[keep]
                 current = group.full_rows(local, ids[pick])
                 merged = current + mean[torch.from_numpy(pick)]
@@ -346,13 +337,21 @@ class KStepTables(TableEngine):
         self._expire_owned()
 
     def _expire_owned(self) -> None:
-        """After a merge: the owners' floors rise with the training steps every rank took."""
-        steps = {name: int(group.steps[local]) for group in self.local_copy.groups
-                 for local, name in enumerate(group.names)}
-        for group in self.shard.groups:
+        """After a merge: the owners' floors rise with the training steps every rank took
+        (and, for a ttl in data time, with each step's newest event time over the ranks)."""
+        clock = self._step_counts()
+        times = self.interval.times_over_ranks(self.process_group) if self.timed else []
+        for group, globals_ in zip(self.shard.groups, self.shard_globals):
             if group.expiry is not None:
-                group.expire_until(np.array([steps[name] for name in group.names], dtype=np.int64))
-        self.caps.settle(steps)  # collective, as the merge is
+                group.expire_until(clock[globals_], [(stamped[globals_], seconds) for stamped, seconds in times])
+        self.caps.settle({t.name: int(clock[i]) for i, t in enumerate(self.tables)})  # collective, as the merge is
+
+    def _step_counts(self) -> np.ndarray:
+        """Every table's training step count (the local copies count every step)."""
+        out = np.zeros(len(self.tables), dtype=np.int64)
+        for group, globals_ in zip(self.local_copy.groups, self.copy_globals):
+            out[globals_] = group.steps
+        return out
 
     # -- reads, checkpoints ----------------------------------------------------------------
 
@@ -387,6 +386,13 @@ class KStepTables(TableEngine):
     def load_expiry_floors(self, floors: Mapping[str, int]) -> None:
         self.shard.load_expiry_floors(floors)
 
+    def expiry_clock(self) -> dict[str, Any]:
+        self.merge()  # the interval's event times reach the owners
+        return join_clock_states(gather_objects(self.shard.expiry_clock(), self.process_group))
+
+    def load_expiry_clock(self, state: Mapping[str, Any]) -> None:
+        self.shard.load_expiry_clock(state)
+
     def storage(self) -> dict[str, int]:
         held = self.shard.storage()
         held["dram_bytes"] += self.local_copy.storage()["dram_bytes"]
@@ -409,8 +415,7 @@ class KStepTables(TableEngine):
         """Collective: merges, then each rank streams its owner shard to its own files (the
         step counts are the local copies', which count every training step)."""
         self.merge()
-        steps = {name: int(group.steps[local]) for group in self.local_copy.groups
-                 for local, name in enumerate(group.names)}
+        steps = {t.name: int(s) for t, s in zip(self.tables, self._step_counts())}
         return save_shards(self.shard, directory, self.process_group, self.plan, steps=steps, parent=parent)
 
     def load_snapshot(self, directory: str | os.PathLike) -> SnapshotManifest:
@@ -429,6 +434,7 @@ class KStepTables(TableEngine):
             group.forget()
             group.steps = np.array([int(steps[n]) for n in group.names], dtype=np.int64)
         self._bases = [[] for _ in self.local_copy.groups]
+        self.interval.clear()
         self._merge_due = False
         # The schedule counts training forwards, the tables their backward passes: the same
         # number in a run that trains every batch it looks up, and every table steps in

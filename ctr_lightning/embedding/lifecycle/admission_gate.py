@@ -46,27 +46,38 @@ class AdmissionGate:
                 "rows_rejected": sum(c["rejected"] for c in self.per_table.values())}
 
     def admit(self, tables: np.ndarray, ids: np.ndarray, sightings: np.ndarray | None,
-              steps: np.ndarray) -> np.ndarray:
+              steps: np.ndarray, segment_steps: np.ndarray | None = None) -> np.ndarray:
         """Which of these rows, stored nowhere, get a row now. ``sightings``: each one's
         occurrences in this training batch (None: not training, so nothing is admitted
-        where a table filters); ``steps``: the tables' step counts (the draws' clock)."""
+        where a table filters); ``steps``: the tables' step counts (the draws' clock).
+
+        Under k-step tables, at a merge, ``sightings`` is ``[n, segments]``: the interval's
+        over all ranks, per segment of its steps (:class:`IntervalRecord`), and
+        ``segment_steps[j]`` the tables' step counts at segment j's first step: each
+        segment's sightings reach the counters aged to that step, as one process's would."""
         admitted = ~self.filtering[tables]
         if sightings is None:
             return admitted
+        if sightings.ndim == 1:
+            sightings, segment_steps = sightings[:, None], np.asarray(steps)[None]
         for t in np.unique(tables[self.filtering[tables]]):
             mine = np.flatnonzero(tables == t)
-            admitted[mine] = self._decide(int(t), ids[mine], sightings[mine], int(steps[t]))
+            admitted[mine] = self._decide(int(t), ids[mine], sightings[mine], segment_steps[:, t], int(steps[t]))
             taken = int(admitted[mine].sum())
             self.per_table[self.names[t]]["admitted"] += taken
             self.per_table[self.names[t]]["rejected"] += len(mine) - taken
         return admitted
 
-    def _decide(self, table: int, ids: np.ndarray, sightings: np.ndarray, step: int) -> np.ndarray:
+    def _decide(self, table: int, ids: np.ndarray, sightings: np.ndarray, segment_steps: np.ndarray,
+                step: int) -> np.ndarray:
         setting = self.settings[table]
         sketch = self.sketches[table]
         if sketch is not None:
-            self._age(table, step)
-            return sketch.add(ids, sightings) >= setting.admit_after
+            for j in range(sightings.shape[1]):
+                self._age(table, int(segment_steps[j]))
+                counts = sketch.add(ids, sightings[:, j])
+            return counts >= setting.admit_after
+        sightings = sightings.sum(axis=1)
         # Each of the c sightings admits with probability p: 1 - (1 - p)^c in all, one draw
         # per (seed, table, id, step).
         chance = 1.0 - (1.0 - setting.probability) ** sightings.astype(np.float64)

@@ -138,6 +138,7 @@ class RowExpiry:
         self.max_rows[:] = -1
         self.shared_cap[:] = False
         self.counting[:] = False
+        self.timed[:] = False  # the owners keep data time, from every rank's event times
         self.per_table = {}
 
     # -- reads ------------------------------------------------------------------------------
@@ -226,7 +227,12 @@ class RowExpiry:
         newest event time of its batch, over all ranks; ``stamped``: the step its rows were
         stamped with, ``clock - 1`` unless the step was skipped): raise the floors."""
         if self.timed.any():
-            self._observe(clock - 1 if stamped is None else stamped, event_time)
+            self.observe(clock - 1 if stamped is None else stamped, event_time)
+        self.raise_floors(clock)
+
+    def raise_floors(self, clock: np.ndarray) -> None:
+        """Raise the floors to what the tables' step counts ``clock`` and the event times
+        observed so far allow (:meth:`advance` without a step of its own: a k-step merge)."""
         for t in np.flatnonzero(self.counting):
             floor = int(self.floor[t])
             if self.ttl[t] >= 0:
@@ -239,8 +245,9 @@ class RowExpiry:
                             self._cap_floor(int(t), floor, int(clock[t])))
             self._raise_floor(int(t), ttl_floor, floor)
 
-    def _observe(self, stamped: np.ndarray, event_time: float | None) -> None:
-        """Record the newest event time as of the step whose rows were stamped ``stamped``."""
+    def observe(self, stamped: np.ndarray, event_time: float | None) -> None:
+        """Record the newest event time as of the step whose rows were stamped ``stamped``
+        (per table; ``event_time``: that step's newest over all ranks)."""
         if event_time is None:
             t = int(np.flatnonzero(self.timed)[0])
             raise ValueError(f"table {self.names[t]!r}: Expiry.ttl {self.settings[t].ttl!r} counts in data time, but "

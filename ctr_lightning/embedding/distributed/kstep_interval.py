@@ -1,0 +1,94 @@
+"""What one rank's training steps of a k-step interval saw, for the owners to decide on at
+the merge: each row's occurrences (admission's sightings) and each step's newest event time
+(a ttl in data time)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ctr_lightning.embedding.tiers.key_index import KeyIndex, dedup
+
+
+class IntervalRecord:
+    """One rank's record of the training steps since the last merge.
+
+    The steps are cut into *segments* wherever a table that halves its sighting counters
+    (``halve_every[t] > 0``) enters a new halving period, and sightings are counted per
+    segment: an owner adds each segment's sightings to its sketch aged to that segment's
+    first step, so the counters hold what one process's would whenever the merges fall
+    (a checkpoint merges early). Without halving there is one segment.
+
+    Example::
+
+        record = IntervalRecord(groups=2, halve_every=np.array([0, 100]))
+        record.note_step(stamped, seconds)                  # each training forward, first
+        record.note_sightings(g, tables, ids, occurrences)  # its rows (group g's tables)
+        counts = record.sightings(g, tables, ids)           # [n, segments], at the merge
+        record.clear()                                      # after it
+    """
+
+    def __init__(self, groups: int, halve_every: np.ndarray) -> None:
+        self.halve_every = np.asarray(halve_every, dtype=np.int64)
+        self.halving = self.halve_every > 0
+        self._sightings: list[list[tuple[np.ndarray, np.ndarray, np.ndarray, int]]] = [[] for _ in range(groups)]
+        self.stamped: list[np.ndarray] = []         # per training step: the tables' step counts before it
+        self.times: list[float | None] = []         # per training step: this rank's newest event time
+        self.segment_starts: list[np.ndarray] = []  # per segment: the tables' step counts at its first step
+
+    @property
+    def segments(self) -> int:
+        return max(len(self.segment_starts), 1)
+
+    def note_step(self, stamped: np.ndarray, seconds: float | None) -> None:
+        """A training step begins: ``stamped``, the tables' step counts (what its lookups
+        stamp); ``seconds``, this rank's newest event time of its batch (None: none)."""
+        stamped = np.asarray(stamped, dtype=np.int64).copy()
+        if not self.segment_starts or (self.halving.any() and np.any(
+                (stamped // np.maximum(self.halve_every, 1) != self.segment_starts[-1] // np.maximum(self.halve_every, 1))
+                & self.halving)):
+            self.segment_starts.append(stamped)
+        self.stamped.append(stamped)
+        self.times.append(seconds)
+
+    def note_sightings(self, g: int, tables: np.ndarray, ids: np.ndarray, occurrences: np.ndarray) -> None:
+        """The rows (unique) of group ``g`` this step looks up and their occurrences in its batch."""
+        self._sightings[g].append((tables, ids, occurrences, self.segments - 1))
+
+    def sightings(self, g: int, tables: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """``[n, segments]``: this rank's occurrences of these rows (group ``g``) in each segment."""
+        out = np.zeros((len(ids), self.segments), dtype=np.int64)
+        seen = self._sightings[g]
+        if not seen:
+            return out
+        all_tables = np.concatenate([s[0] for s in seen])
+        all_ids = np.concatenate([s[1] for s in seen])
+        first, inverse = dedup(all_tables, all_ids)
+        index = KeyIndex()
+        index.insert(all_tables[first], all_ids[first], np.arange(len(first), dtype=np.int64))
+        at = index.lookup(tables, ids)
+        segment = np.concatenate([np.full(len(s[1]), s[3], dtype=np.int64) for s in seen])
+        totals = np.zeros((len(first), self.segments), dtype=np.int64)
+        np.add.at(totals, (inverse, segment), np.concatenate([s[2] for s in seen]).astype(np.int64))
+        found = at >= 0
+        out[found] = totals[at[found]]
+        return out
+
+    def times_over_ranks(self, process_group: dist.ProcessGroup) -> list[tuple[np.ndarray, float | None]]:
+        """Per training step: its step counts and its newest event time over all ranks (None:
+        no rank's batch had one). Collective."""
+        newest = torch.tensor([-math.inf if t is None else t for t in self.times], dtype=torch.float64)
+        dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=process_group)
+        return [(stamped, None if math.isinf(t) else t) for stamped, t in zip(self.stamped, newest.tolist())]
+
+    def segment_steps(self) -> np.ndarray:
+        """``[segments, tables]``: the tables' step counts at each segment's first step."""
+        return np.stack(self.segment_starts) if self.segment_starts else np.zeros((1, len(self.halve_every)), np.int64)
+
+    def clear(self) -> None:
+        for seen in self._sightings:
+            seen.clear()
+        self.stamped, self.times, self.segment_starts = [], [], []
