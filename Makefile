@@ -2,6 +2,9 @@
 VENV ?= .venv
 STAMP := $(VENV)/.ctr-lightning-setup
 PYTEST_ARGS ?=
+# The suite runs in this many processes (pytest-xdist), a test file each at a time: many of its
+# tests wait on processes they start, so two share two cores well.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup fit test bench clean
 
@@ -16,7 +19,7 @@ fit: setup
 	$(VENV)/bin/ctr-lightning fit --config configs/demo.yaml
 
 test: setup
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: setup
 	$(VENV)/bin/python benchmarks/bench_synthetic.py
