@@ -11,6 +11,9 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import _get_scalar_dtype
 
 MOMENT_NAMES = ("exp_avg", "exp_avg_sq")
+# With amsgrad, the running maximum of exp_avg_sq, which the update divides by: merged like the
+# moments, or each rank would step with its own denominator after every merge.
+AMSGRAD_MAX = "max_exp_avg_sq"
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,10 @@ class ParamMoments:
 
     @property
     def moments(self) -> dict[str, torch.Tensor]:
-        """``exp_avg`` and ``exp_avg_sq``, the tensors a merge averages."""
-        return {name: self.state[name] for name in MOMENT_NAMES}
+        """``exp_avg`` and ``exp_avg_sq`` (and with amsgrad ``max_exp_avg_sq``: the mean of
+        the ranks' maxima stays above the mean ``exp_avg_sq``), the tensors a merge averages."""
+        names = MOMENT_NAMES + ((AMSGRAD_MAX,) if AMSGRAD_MAX in self.state else ())
+        return {name: self.state[name] for name in names}
 
 
 def agree_moments(optimizers: Sequence[Optimizer], device: torch.device, world_size: int) -> list[ParamMoments]:
@@ -75,7 +80,7 @@ def adopt(moments: Sequence[ParamMoments]) -> None:
 
 def _zero_state(group: dict, p: torch.Tensor) -> dict[str, torch.Tensor]:
     # What Adam's first step would make, before it adds the gradient.
-    names = MOMENT_NAMES + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
+    names = MOMENT_NAMES + ((AMSGRAD_MAX,) if group.get("amsgrad") else ())
     return {name: torch.zeros_like(p, memory_format=torch.preserve_format) for name in names}
 
 

@@ -38,7 +38,8 @@ class KStepAdamStrategy(DDPStrategy):
 
     Every rank runs its own optimizer on its own batches. Every ``k`` optimizer steps the
     ranks average their parameters and, unless ``merge_optimizer_state=False``, Adam's
-    ``exp_avg`` and ``exp_avg_sq`` (step counts stay equal: every rank takes every step).
+    ``exp_avg`` and ``exp_avg_sq`` (and with ``amsgrad`` ``max_exp_avg_sq``; step counts stay
+    equal: every rank takes every step).
 
     Modes:
 

@@ -9,10 +9,13 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ctr_lightning.strategies.adam_moments import ParamMoments, adopt, agree_moments
+from ctr_lightning.strategies.adam_moments import AMSGRAD_MAX, ParamMoments, adopt, agree_moments
 from ctr_lightning.strategies.hierarchical_average import HierarchicalAverage
 from ctr_lightning.strategies.merged_tensors import MergedTensors
 from ctr_lightning.strategies.overlapped_merge import OverlappedMerge
+
+
+SQUARES = ("exp_avg_sq", AMSGRAD_MAX)  # moments that must stay non-negative
 
 
 class ModelMerge:
@@ -61,7 +64,7 @@ class ModelMerge:
         params = [p for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]]
         exact = [p.data for p in params] + [b for b in module.buffers() if b.is_floating_point()]
         named = [(name, t) for m in moments for name, t in m.moments.items()]
-        return MergedTensors(params, exact, [t for _, t in named], [name == "exp_avg_sq" for name, _ in named],
+        return MergedTensors(params, exact, [t for _, t in named], [name in SQUARES for name, _ in named],
                              self.moment_dtype)
 
     def _tensors_adopted(self, optimizers: Sequence[Optimizer], module: torch.nn.Module) -> MergedTensors:

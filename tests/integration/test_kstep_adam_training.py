@@ -29,7 +29,7 @@ class MLP(pl.LightningModule):
         x, y = batch
         self.log("val_loss", F.mse_loss(self.net(x).squeeze(-1), y), sync_dist=True)
     def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=0.01)
+        return torch.optim.Adam(self.parameters(), lr=0.01, amsgrad=self.optimizer == "amsgrad")
 
 class TwoOptimizers(MLP):
     # Manual optimization with one Adam per layer: every batch takes two optimizer steps.
@@ -64,7 +64,8 @@ def flat(module):
 def flat_moments(trainer):
     state = trainer.optimizers[0].state
     return torch.cat([torch.zeros(0)] + [state[p][name].reshape(-1) for p in trainer.lightning_module.parameters()
-                                         for name in ("exp_avg", "exp_avg_sq") if name in state.get(p, {})])
+                                         for name in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+                                         if name in state.get(p, {})])
 
 class Record(pl.Callback):
     def on_train_start(self, trainer, module):
@@ -162,6 +163,7 @@ TWO_RANK_RUNS = [
     dict(K4, moment_dtype="float32", bucket_bytes=64, dir="moments_float32"),
     dict(K4, overlap=True, dir="overlap"),
     dict(K4, dir="plain"),
+    dict(K4, optimizer="amsgrad", moment_dtype="float32", dir="amsgrad"),
     # The uninterrupted run, then runs resumed from its checkpoints at a merge step and
     # between merges, with only the checkpoint to go on.
     dict(RESUMED, tag="full"),
@@ -206,6 +208,23 @@ def test_k4_ranks_diverge_between_merges_and_agree_after(two_ranks):
         assert torch.equal(x, y)
     assert [r["merges"] for r in results] == [3, 3] and results[0]["divergence"] > 0
     assert results[0]["inter"] == 0  # one node: everything stays inside it
+
+
+@pytest.mark.slow
+def test_amsgrad_maxima_are_merged_with_the_moments(two_ranks):
+    # Adam(amsgrad=True) divides by the running maximum of exp_avg_sq: a merge averages it with
+    # the moments, so the ranks leave every merge (after steps 4, 8, 12) with one state.
+    out = two_ranks[0] / "amsgrad"
+    a, b = (_history(out, "kstep", r) for r in range(2))
+    per_moment = len(a["history"][0])  # exp_avg, exp_avg_sq, max_exp_avg_sq: a model's size each
+    assert a["moments"][0].numel() == 3 * per_moment
+    for step in range(12):
+        merged = step in (3, 7, 11)
+        assert torch.equal(a["moments"][step], b["moments"][step]) == merged, step
+        if merged:
+            torch.testing.assert_close(a["moments"][step], (a["stepped_moments"][step] + b["stepped_moments"][step]) / 2,
+                                       atol=1e-9, rtol=1e-6)
+            assert torch.equal(a["history"][step], b["history"][step])
 
 
 @pytest.mark.slow
