@@ -223,17 +223,15 @@ class LocalTables(TableEngine):
             raise KeyError(f"checkpoint has no rows for tables {missing}; it has {sorted(state)}")
         for group in self.groups:
             tables, ids, rows = [], [], []
+            steps = np.array([int(state[name]["steps"]) for name in group.names], dtype=np.int64)
             for local, name in enumerate(group.names):
                 table_state = state[name]
-                if table_state["rows"].shape[1] != group.width:
-                    raise ValueError(f"table {name!r}: checkpoint rows have width {table_state['rows'].shape[1]} "
-                                     f"(weights + optimizer state), this collection stores {group.width}")
-                table_ids, table_rows = table_state["ids"], table_state["rows"]
+                table_ids, table_rows = table_state["ids"], group.loadable(name, table_state["rows"], steps)
                 if keep is not None:
                     mask = keep(name, table_ids)
                     table_ids, table_rows = table_ids[mask], table_rows[mask]
                 tables.append(np.full(len(table_ids), local, dtype=np.int64))
                 ids.append(table_ids.numpy().astype(np.int64))
                 rows.append(table_rows)
-            steps = np.array([int(state[name]["steps"]) for name in group.names], dtype=np.int64)
             group.load(np.concatenate(tables), np.concatenate(ids), torch.cat(rows), steps)
+            group.check_widened()

@@ -145,3 +145,16 @@ def test_ckpt_path_last_with_no_checkpoint_starts_fresh_in_the_dead_runs_directo
                for m in lightning_log.messages), lightning_log.messages
     assert [p.name for p in (tmp_path / "runs" / "demo").iterdir()] == ["version_0"]  # no stray version_1
     assert steps_of(tmp_path / "runs" / "demo" / "version_0" / "checkpoints" / "last.ckpt") == 3
+
+
+def test_a_run_saved_without_expiry_resumes_with_a_ttl_given_on_the_command_line(tmp_path, in_process):
+    # An online job whose tables only grew turns expiry on at its resume: the saved rows count
+    # as looked up at its last step, and those not looked up within the ttl go.
+    small = ["--model.storage.device_rows", "500", "--model.storage.host_rows", "0",
+             "--model.storage.ssd_dir", str(tmp_path / "ssd")]
+    in_process(demo(tmp_path, *small))
+    in_process(demo(tmp_path, *small, "--model.expiry.ttl", "3", "--ckpt_path", "last", "--trainer.max_epochs", "2"))
+    ckpt = torch.load(tmp_path / "runs" / "demo" / "version_0" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ckpt["global_step"] == 24
+    extra = next(v for k, v in ckpt["state_dict"].items() if k.endswith("_extra_state"))
+    assert extra["expiry"] and all(floor == 24 - 3 for floor in extra["expiry"].values())

@@ -127,6 +127,9 @@ class RowExpiry:
         self.per_table = {name: {"expired": 0, "evicted": 0} for t, name in enumerate(self.names)
                           if self.counting[t]}
         self.needs_recount = False  # rows were loaded: count them before the next step
+        # Per timed table, the step rows loaded without expiry were stamped with (-1: none):
+        # it takes the first event time trained after the resume (see widen).
+        self.widened_at = np.full(n, -1, dtype=np.int64)
 
     @property
     def active(self) -> bool:
@@ -255,6 +258,11 @@ class RowExpiry:
                              f"or partition_time=True for dt=/hour= partitions (your own loop: "
                              f"observe_event_time before each training forward), or set the ttl in steps")
         self.newest = float(event_time) if self.newest is None else max(self.newest, float(event_time))
+        for t in np.flatnonzero(self.timed & (self.widened_at >= 0)):
+            before = max(0, int(stamped[t]) - int(self.widened_at[t]))  # the steps up to the resume
+            self.time_base[t], self.times[t] = self.widened_at[t], np.full(max(64, before + 1), np.nan)
+            self.times[t][:before] = self.newest
+            self.widened_at[t] = -1
         for t in np.flatnonzero(self.timed):
             at = int(stamped[t]) - int(self.time_base[t])
             if at < 0:
@@ -390,6 +398,38 @@ class RowExpiry:
                                f"without expiry?)")
             self.floor[t] = int(floors[name])
         self.needs_recount = True
+
+    def widen(self, tables: np.ndarray, rows: torch.Tensor, steps: np.ndarray, width: int) -> torch.Tensor:
+        """Rows of a checkpoint saved before these tables expired rows (``[n, stamp column]``:
+        weights and optimizer state alone) as ``[n, width]`` rows stamped as looked up once at
+        the last training step before the save (``steps[t] - 1``, the tables' step counts):
+        a ttl runs from the resume, a score starts at one lookup. Nothing tells which of
+        them were looked up last, so a ``max_rows`` they exceed keeps none of them (refused
+        at :meth:`check_widened`). A ttl in data time counts their step as having the first
+        event time trained after the resume."""
+        out = torch.zeros(len(rows), width, dtype=rows.dtype)
+        out[:, : self.column] = rows
+        last = np.maximum(np.asarray(steps, dtype=np.int64) - 1, 0)
+        out[:, self.column : self.column + STAMP_WORDS] = torch.from_numpy(stamp_words(last[tables]))
+        scored = self.scored[tables]
+        if scored.any():
+            n = int(scored.sum())
+            keys = self.scores(tables[scored], np.full(n, -1), np.zeros(n), np.ones(n), None, last)
+            out[torch.from_numpy(scored), self.column + STAMP_WORDS] = torch.from_numpy(keys)
+        self.widened_at = np.where(self.timed, last, self.widened_at)
+        return out
+
+    def check_widened(self, counts: np.ndarray) -> None:
+        """Refuse rows :meth:`widen` stamped (``counts[t]`` of table t) beyond a ``max_rows``:
+        all of one step, they would all go at the first step."""
+        over = [t for t in np.flatnonzero((self.max_rows >= 0) & ~self.shared_cap) if counts[t] > self.max_rows[t]]
+        if over:
+            t = over[0]
+            raise ValueError(f"table {self.names[t]!r}: the checkpoint was saved without expiry and holds "
+                             f"{int(counts[t])} rows, above Expiry.max_rows ({int(self.max_rows[t])}); their last "
+                             f"lookups are unknown, so none could be told from another and all would go at the "
+                             f"first step. Resume first with a ttl alone (its rows then expire by their next "
+                             f"lookups), or raise max_rows")
 
     def recount(self, chunks: Callable[[], Iterable[tuple[np.ndarray, np.ndarray, torch.Tensor]]]) -> None:
         """Count the live rows per last-lookup step anew from every stored row (after a load):

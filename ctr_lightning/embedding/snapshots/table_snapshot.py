@@ -378,7 +378,8 @@ def load_tables(engine: LocalTables, directory: str | os.PathLike,
     for t in engine.tables:
         group, local = engine.group_of(t.name)
         saved = manifest.tables[t.name]
-        if saved["dim"] != t.embedding_dim or saved["width"] != group.width:
+        widened = group.expiry is not None and saved["width"] == group.expiry.column  # saved without expiry
+        if saved["dim"] != t.embedding_dim or (saved["width"] != group.width and not widened):
             raise ValueError(f"table {t.name!r}: snapshot rows have dim {saved['dim']} and width {saved['width']} "
                              f"(weights + optimizer state), this collection stores dim {t.embedding_dim}, width "
                              f"{group.width}")
@@ -391,6 +392,7 @@ def load_tables(engine: LocalTables, directory: str | os.PathLike,
     for group in engine.groups:
         group.begin_load()
     held = {t.name for t in engine.tables}
+    steps = {id(g): np.array([manifest.steps[name] for name in g.names], dtype=np.int64) for g in engine.groups}
     # Newest first: a row an incremental snapshot holds replaces its ancestors' copies.
     for depth, (path, member) in enumerate(chain):
         for f in member.files:
@@ -405,10 +407,12 @@ def load_tables(engine: LocalTables, directory: str | os.PathLike,
                         table_ids, table_rows = table_ids[kept], table_rows[torch.from_numpy(np.flatnonzero(kept))]
                     group, local = engine.group_of(name)
                     if len(table_ids):
+                        table_rows = group.loadable(name, table_rows, steps[id(group)])
                         group.load_chunk(np.full(len(table_ids), local, dtype=np.int64), table_ids, table_rows,
                                          older=depth > 0)
     for group in engine.groups:
-        group.steps = np.array([manifest.steps[name] for name in group.names], dtype=np.int64)
+        group.steps = steps[id(group)]
+        group.check_widened()
     engine.mark_saved()
     return manifest
 
