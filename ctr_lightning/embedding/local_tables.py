@@ -226,12 +226,12 @@ class LocalTables(TableEngine):
             steps = np.array([int(state[name]["steps"]) for name in group.names], dtype=np.int64)
             for local, name in enumerate(group.names):
                 table_state = state[name]
-                table_ids, table_rows = table_state["ids"], group.loadable(name, table_state["rows"], steps)
+                table_ids, table_rows = table_state["ids"], table_state["rows"]
                 if keep is not None:
                     mask = keep(name, table_ids)
                     table_ids, table_rows = table_ids[mask], table_rows[mask]
+                table_rows = group.loadable(name, table_rows, steps)
                 tables.append(np.full(len(table_ids), local, dtype=np.int64))
                 ids.append(table_ids.numpy().astype(np.int64))
                 rows.append(table_rows)
             group.load(np.concatenate(tables), np.concatenate(ids), torch.cat(rows), steps)
-            group.check_widened()

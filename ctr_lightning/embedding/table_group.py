@@ -66,7 +66,6 @@ class TableGroup:
         expiry = RowExpiry(self.names, [setup.expiry.get(n) for n in self.names], setup.core_width(self.dim),
                            [setup.row_partition.get(n, (1, 0)) for n in self.names])
         self.expiry: RowExpiry | None = expiry if expiry.active else None
-        self._widened = np.zeros(len(self.names), dtype=np.int64)  # rows loadable() stamped, per table
         if self.expiry is not None:
             self.tiers.live = self.expiry.live
             self.tiers.rank_by(self.expiry.rank_keys)
@@ -435,15 +434,7 @@ class TableGroup:
             raise ValueError(f"table {name!r}: checkpoint rows have width {rows.shape[1]} (weights + optimizer "
                              f"state{', and expiry stamps' if rows.shape[1] > self.width else ''}), this collection "
                              f"stores {self.width} (another optimizer, or expiry settings the rows cannot take?)")
-        local = np.full(len(rows), self.names.index(name), dtype=np.int64)
-        self._widened[local[0] if len(local) else 0] += len(rows)
-        return self.expiry.widen(local, rows, steps, self.width)
-
-    def check_widened(self) -> None:
-        """After a load: refuse rows :meth:`loadable` stamped beyond a ``max_rows``."""
-        if self.expiry is not None:
-            self.expiry.check_widened(self._widened)
-        self._widened[:] = 0
+        return self.expiry.widen(np.full(len(rows), self.names.index(name), dtype=np.int64), rows, steps, self.width)
 
     def load_chunk(self, tables: np.ndarray, ids: np.ndarray, rows: torch.Tensor, older: bool = False) -> None:
         """Store a snapshot's rows; with ``older``, keys loaded already are skipped (they came

@@ -229,6 +229,32 @@ if world > 1:
 
     # A training step of a show/click table without its labels.
     save_refusal("unlabelled_refusal.pt", expiry={"t0": Expiry(max_rows=25, score="show_click")})
+
+    def save_refused_run(name, make, load=None, steps=3):
+        # Trains ``steps`` steps (after loading ``load``'s state dict, if any) without event
+        # times; the refusal comes on every rank alike (rank 0 keeps the message).
+        ebc = make()
+        if load is not None:
+            ebc.load_state_dict(load)
+        try:
+            for step in range(steps):
+                (ebc(local_kjt(step, 32)).values() @ loss_weights).mean().backward()
+            refusal = None
+        except ValueError as e:
+            refusal = str(e)
+        if rank == 0:
+            torch.save(refusal, os.path.join(out_dir, name))
+
+    # Rows saved without expiry, more than a row-wise table's max_rows over both ranks.
+    plain = TieredEmbeddingBagCollection(TABLES, sharding="row_wise")
+    for step in range(4):
+        (plain(local_kjt(step, 32)).values() @ loss_weights).mean().backward()
+    save_refused_run("widened_cap_refusal.pt", lambda: TieredEmbeddingBagCollection(
+        TABLES, sharding="row_wise", expiry={"t0": Expiry(max_rows=25)}), load=plain.state_dict(), steps=1)
+    # k-step tables whose ttl counts in data time, trained without event times: refused at
+    # the first merge, on every rank, before any row moves.
+    save_refused_run("kstep_no_event_time_refusal.pt", lambda: TieredEmbeddingBagCollection(
+        TABLES, sharding="row_wise", sparse_sync="k_step", sync_every=2, expiry={"t1": Expiry(ttl="2h")}))
 print("RESULT {}", flush=True)
 if dist.is_initialized():
     dist.destroy_process_group()
@@ -382,6 +408,11 @@ def test_two_ranks_keep_the_rows_one_process_keeps(runs):
         for name, rows in one["rows"].items():
             torch.testing.assert_close(two["rows"][name], rows, atol=1e-5, rtol=0)
         assert torch.equal(two["stamps"], one["stamps"]), label
+    refusal = torch.load(runs / "widened_cap_refusal.pt")
+    assert "table 't0': the checkpoint was saved without expiry and holds" in refusal
+    assert "above Expiry.max_rows (25)" in refusal
+    refusal = torch.load(runs / "kstep_no_event_time_refusal.pt")
+    assert "tables ['t1']: the ttl counts in data time, but training step 1 carried no event time" in refusal
     refusal = torch.load(runs / "unlabelled_refusal.pt")
     assert "tables ['t0']: Expiry(score='show_click') counts clicks, but this training batch came without" in refusal
     # Row-wise, each rank expired its own share; the counts add up to one process's.

@@ -77,12 +77,20 @@ class IntervalRecord:
         out[found] = totals[at[found]]
         return out
 
-    def times_over_ranks(self, process_group: dist.ProcessGroup) -> list[tuple[np.ndarray, float | None]]:
-        """Per training step: its step counts and its newest event time over all ranks (None:
-        no rank's batch had one). Collective."""
+    def times_over_ranks(self, process_group: dist.ProcessGroup, timed: list[str]) -> list[tuple[np.ndarray, float]]:
+        """Per training step: its step counts and its newest event time over all ranks.
+        Collective; a step no rank's batch gave an event time is refused on every rank,
+        naming the tables ``timed`` whose ttl counts in data time."""
         newest = torch.tensor([-math.inf if t is None else t for t in self.times], dtype=torch.float64)
         dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=process_group)
-        return [(stamped, None if math.isinf(t) else t) for stamped, t in zip(self.stamped, newest.tolist())]
+        missing = [k for k, t in enumerate(newest.tolist()) if math.isinf(t)]
+        if missing:
+            step = int(self.stamped[missing[0]].max()) + 1
+            raise ValueError(f"tables {timed}: the ttl counts in data time, but training step {step} carried no "
+                             f"event time on any rank; give the DataModule an event_time_column, or "
+                             f"partition_time=True for dt=/hour= partitions (your own loop: observe_event_time "
+                             f"before each training forward), or set the ttl in steps")
+        return list(zip(self.stamped, newest.tolist()))
 
     def segment_steps(self) -> np.ndarray:
         """``[segments, tables]``: the tables' step counts at each segment's first step."""

@@ -104,7 +104,7 @@ class KStepTables(TableEngine):
             if group.expiry is not None:
                 group.expiry.keep_all()
         self.admits = bool(setup.admission)
-        self.timed = bool(setup.timed_tables)
+        self.timed = list(setup.timed_tables)
         index = {t.name: i for i, t in enumerate(tables)}
         self.copy_globals = [np.array([index[n] for n in g.names], dtype=np.int64) for g in self.local_copy.groups]
         self.shard_globals = [np.array([index[n] for n in g.names], dtype=np.int64) for g in self.shard.groups]
@@ -250,6 +250,8 @@ class KStepTables(TableEngine):
     def merge(self) -> None:
         """Collective: push the deltas of changed rows to their owners, who add each row's
         mean delta over the ranks that changed it; then empty the local copies."""
+        # First, so that a step without event times is refused on every rank before any row moves.
+        times = self.interval.times_over_ranks(self.process_group, self.timed) if self.timed else []
         keys: list[list[np.ndarray]] = [[] for _ in range(self.world)]
         flats: list[list[torch.Tensor]] = [[] for _ in range(self.world)]
         for g, group in enumerate(self.local_copy.groups):
@@ -283,7 +285,7 @@ class KStepTables(TableEngine):
         got_keys = self._exchange(torch.from_numpy(np.concatenate(sent_keys)), [len(k) for k in sent_keys])
         expected = [int(self.wire_width[k[:, 0].numpy()].sum()) for k in got_keys]
         got_flat = self._exchange(torch.cat(sent_flat), [f.numel() for f in sent_flat], expected)
-        self._apply_deltas(got_keys, got_flat)
+        self._apply_deltas(got_keys, got_flat, times)
         for g, group in enumerate(self.local_copy.groups):
             group.forget()
             self._bases[g] = []
@@ -292,7 +294,8 @@ class KStepTables(TableEngine):
         self.schedule.note_merge()  # unscheduled merges (evaluation, checkpoints) do not move the schedule
         self.merges += 1
 
-    def _apply_deltas(self, got_keys: list[torch.Tensor], got_flat: list[torch.Tensor]) -> None:
+    def _apply_deltas(self, got_keys: list[torch.Tensor], got_flat: list[torch.Tensor],
+                      times: list[tuple[np.ndarray, float]]) -> None:
         per_group: dict[int, list[tuple[np.ndarray, np.ndarray, torch.Tensor]]] = {}
         for keys, flat in zip(got_keys, got_flat):
             keys = keys.numpy()
@@ -334,14 +337,14 @@ class KStepTables(TableEngine):
                     merged[:, core : core + STAMP_WORDS] = torch.from_numpy(stamp_words(newest[pick]))
                     _add_scores(merged, current, rows, inverse, pick, self.scored[tables[pick]], core)
                 group.put_merged(local, ids[pick], merged, current)
-        self._expire_owned()
+        self._expire_owned(times)
 
-    def _expire_owned(self) -> None:
+    def _expire_owned(self, times: list[tuple[np.ndarray, float]]) -> None:
         """After a merge: the owners' floors rise with the training steps every rank took
-        (and, for a ttl in data time, with each step's newest event time over the ranks)."""
+        (and, for a ttl in data time, with ``times``: each step's newest event time over the ranks)."""
         clock = self._step_counts()
-        times = self.interval.times_over_ranks(self.process_group) if self.timed else []
         for group, globals_ in zip(self.shard.groups, self.shard_globals):
+            group.steps = clock[globals_]  # what their sketches age to when saved
             if group.expiry is not None:
                 group.expire_until(clock[globals_], [(stamped[globals_], seconds) for stamped, seconds in times])
         self.caps.settle({t.name: int(clock[i]) for i, t in enumerate(self.tables)})  # collective, as the merge is

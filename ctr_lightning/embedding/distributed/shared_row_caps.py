@@ -53,8 +53,16 @@ class SharedRowCaps:
 
         for _, group, _ in self.tables:
             group.recount_if_loaded()
-        totals = torch.tensor([group.expiry.live_total(t) for _, group, t in self.tables], dtype=torch.int64)
+        n = len(self.tables)
+        # With each table's live rows, whether any rank loaded rows saved without expiry (RowExpiry.widen).
+        totals = torch.tensor([group.expiry.live_total(t) for _, group, t in self.tables]
+                              + [int(group.expiry.widened_cap[t]) for _, group, t in self.tables], dtype=torch.int64)
         dist.all_reduce(totals, group=self.process_group)
+        for i, (_, group, t) in enumerate(self.tables):
+            if totals[n + i] > 0:  # refused on every rank alike, before any of those rows go
+                group.expiry.widened_cap[t] = True
+                group.expiry.check_widened(t, int(totals[i]))
+        totals = totals[:n]
         excess = {i: int(totals[i]) - int(group.expiry.max_rows[t])
                   for i, (_, group, t) in enumerate(self.tables) if int(totals[i]) > int(group.expiry.max_rows[t])}
         start = {i: int(self.tables[i][1].expiry.floor[self.tables[i][2]]) for i in excess}

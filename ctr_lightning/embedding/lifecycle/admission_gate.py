@@ -73,10 +73,13 @@ class AdmissionGate:
         setting = self.settings[table]
         sketch = self.sketches[table]
         if sketch is not None:
+            # Admitted where the count reaches admit_after in any segment, as one process
+            # admits at the step it does, even if a halving after it brings the count down.
+            admitted = np.zeros(len(ids), dtype=bool)
             for j in range(sightings.shape[1]):
                 self._age(table, int(segment_steps[j]))
-                counts = sketch.add(ids, sightings[:, j])
-            return counts >= setting.admit_after
+                admitted |= sketch.add(ids, sightings[:, j]) >= setting.admit_after
+            return admitted
         sightings = sightings.sum(axis=1)
         # Each of the c sightings admits with probability p: 1 - (1 - p)^c in all, one draw
         # per (seed, table, id, step).

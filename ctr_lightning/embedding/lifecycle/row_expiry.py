@@ -130,6 +130,7 @@ class RowExpiry:
         # Per timed table, the step rows loaded without expiry were stamped with (-1: none):
         # it takes the first event time trained after the resume (see widen).
         self.widened_at = np.full(n, -1, dtype=np.int64)
+        self.widened_cap = np.zeros(n, dtype=bool)  # tables whose widened rows a max_rows must hold
 
     @property
     def active(self) -> bool:
@@ -259,9 +260,12 @@ class RowExpiry:
                              f"observe_event_time before each training forward), or set the ttl in steps")
         self.newest = float(event_time) if self.newest is None else max(self.newest, float(event_time))
         for t in np.flatnonzero(self.timed & (self.widened_at >= 0)):
-            before = max(0, int(stamped[t]) - int(self.widened_at[t]))  # the steps up to the resume
-            self.time_base[t], self.times[t] = self.widened_at[t], np.full(max(64, before + 1), np.nan)
-            self.times[t][:before] = self.newest
+            # Unless the checkpoint held event times (rows widened from an older member of a
+            # snapshot chain: their step's time is there, or they lie below the floor).
+            if np.isnan(self.times[t]).all():
+                before = max(0, int(stamped[t]) - int(self.widened_at[t]))  # the steps up to the resume
+                self.time_base[t], self.times[t] = self.widened_at[t], np.full(max(64, before + 1), np.nan)
+                self.times[t][:before] = self.newest
             self.widened_at[t] = -1
         for t in np.flatnonzero(self.timed):
             at = int(stamped[t]) - int(self.time_base[t])
@@ -406,7 +410,7 @@ class RowExpiry:
         a ttl runs from the resume, a score starts at one lookup. Nothing tells which of
         them were looked up last, so a ``max_rows`` they exceed keeps none of them (refused
         at :meth:`check_widened`). A ttl in data time counts their step as having the first
-        event time trained after the resume."""
+        event time trained after the resume (unless the checkpoint holds event times)."""
         out = torch.zeros(len(rows), width, dtype=rows.dtype)
         out[:, : self.column] = rows
         last = np.maximum(np.asarray(steps, dtype=np.int64) - 1, 0)
@@ -417,19 +421,20 @@ class RowExpiry:
             keys = self.scores(tables[scored], np.full(n, -1), np.zeros(n), np.ones(n), None, last)
             out[torch.from_numpy(scored), self.column + STAMP_WORDS] = torch.from_numpy(keys)
         self.widened_at = np.where(self.timed, last, self.widened_at)
+        self.widened_cap |= self.max_rows >= 0
         return out
 
-    def check_widened(self, counts: np.ndarray) -> None:
-        """Refuse rows :meth:`widen` stamped (``counts[t]`` of table t) beyond a ``max_rows``:
-        all of one step, they would all go at the first step."""
-        over = [t for t in np.flatnonzero((self.max_rows >= 0) & ~self.shared_cap) if counts[t] > self.max_rows[t]]
-        if over:
-            t = over[0]
+    def check_widened(self, t: int, total: int) -> None:
+        """Refuse rows :meth:`widen` stamped beyond table ``t``'s ``max_rows`` (``total``: its
+        live rows, over every rank where the cap is shared): all of one step, they would all
+        go at the first step. Checked once, at the first count after the load."""
+        if self.widened_cap[t] and total > self.max_rows[t]:
             raise ValueError(f"table {self.names[t]!r}: the checkpoint was saved without expiry and holds "
-                             f"{int(counts[t])} rows, above Expiry.max_rows ({int(self.max_rows[t])}); their last "
+                             f"{total} rows, above Expiry.max_rows ({int(self.max_rows[t])}); their last "
                              f"lookups are unknown, so none could be told from another and all would go at the "
                              f"first step. Resume first with a ttl alone (its rows then expire by their next "
                              f"lookups), or raise max_rows")
+        self.widened_cap[t] = False
 
     def recount(self, chunks: Callable[[], Iterable[tuple[np.ndarray, np.ndarray, torch.Tensor]]]) -> None:
         """Count the live rows per last-lookup step anew from every stored row (after a load):
@@ -442,6 +447,8 @@ class RowExpiry:
             for t in np.unique(tables[keep]):
                 self._add(int(t), last[keep & (tables == t)], +1)
         self.needs_recount = False
+        for t in np.flatnonzero(self.widened_cap & ~self.shared_cap):  # shared caps: SharedRowCaps.settle
+            self.check_widened(int(t), self.live_total(int(t)))
 
 
 def join_clock_states(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:

@@ -392,9 +392,11 @@ def load_tables(engine: LocalTables, directory: str | os.PathLike,
     for group in engine.groups:
         group.begin_load()
     held = {t.name for t in engine.tables}
-    steps = {id(g): np.array([manifest.steps[name] for name in g.names], dtype=np.int64) for g in engine.groups}
     # Newest first: a row an incremental snapshot holds replaces its ancestors' copies.
     for depth, (path, member) in enumerate(chain):
+        # Rows saved without expiry count as looked up at the last step of the snapshot that
+        # holds them (an older member of the chain may: a run saved after such a load).
+        steps = {id(g): np.array([member.steps[name] for name in g.names], dtype=np.int64) for g in engine.groups}
         for f in member.files:
             for names, tables, ids, rows in _rows_to_load(engine, path, f, keep, older=depth > 0):
                 for code, name in enumerate(names):
@@ -411,8 +413,7 @@ def load_tables(engine: LocalTables, directory: str | os.PathLike,
                         group.load_chunk(np.full(len(table_ids), local, dtype=np.int64), table_ids, table_rows,
                                          older=depth > 0)
     for group in engine.groups:
-        group.steps = steps[id(group)]
-        group.check_widened()
+        group.steps = np.array([manifest.steps[name] for name in group.names], dtype=np.int64)
     engine.mark_saved()
     return manifest
 

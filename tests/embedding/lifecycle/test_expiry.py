@@ -436,7 +436,14 @@ def test_a_checkpoint_saved_without_expiry_resumes_with_it(tmp_path, saved):
     state = plain.state_dict()
     resumed = collection(tmp_path, "resumed", expiry=Expiry(ttl=ttl))
     resumed.load_state_dict(state)
-    train(resumed, steps[cut:])
+    train(resumed, steps[cut : cut + 5])
+    # Saved again and resumed once more (from a snapshot: incremental over the one saved
+    # without expiry, whose unchanged rows keep their stamp): the same as going on.
+    resumed.checkpoint_to_snapshots(None if saved == "state_dict" else tmp_path / "snapshots")
+    again = collection(tmp_path, "again", expiry=Expiry(ttl=ttl))
+    again.load_state_dict(resumed.state_dict())
+    train(again, steps[cut + 5 :])
+    train(resumed, steps[cut + 5 :])
     train(plain, steps[cut:])
     fresh = TieredEmbeddingBagCollection(TABLES, seed=3)
     for t, name in enumerate(("t0", "t1")):
@@ -457,10 +464,15 @@ def test_a_checkpoint_saved_without_expiry_resumes_with_it(tmp_path, saved):
         assert len(kept) > 10 and len(saved_gone) > 10 and resumed.expiry_counts()[name]["rows"] == len(live)
         torch.testing.assert_close(resumed.rows(name, kept), plain.rows(name, kept), atol=0, rtol=0)
         torch.testing.assert_close(resumed.rows(name, gone), fresh.rows(name, gone), atol=0, rtol=0)
+        everything = sorted(last)
+        torch.testing.assert_close(again.rows(name, everything), resumed.rows(name, everything), atol=0, rtol=0)
+        assert again.expiry_counts()[name]["rows"] == resumed.expiry_counts()[name]["rows"]
     # Nothing tells the saved rows' last lookups apart: a row cap they exceed is refused.
+    capped = collection(tmp_path, "capped", expiry={"t0": Expiry(max_rows=5)})
+    capped.load_state_dict(state)
     with pytest.raises(ValueError, match="table 't0': the checkpoint was saved without expiry and holds .* rows, "
                                          "above Expiry.max_rows"):
-        collection(tmp_path, "capped", expiry={"t0": Expiry(max_rows=5)}).load_state_dict(state)
+        train(capped, steps[cut : cut + 1])  # refused at its first step, before any row goes
     # A score cap above them: each saved row starts at one lookup (LFU), and all stay.
     scored = collection(tmp_path, f"scored_{saved}", expiry={"t0": Expiry(max_rows=10**6, score="lfu")})
     scored.load_state_dict(state)
@@ -475,12 +487,17 @@ def test_a_checkpoint_saved_without_expiry_resumes_with_a_ttl_in_data_time(tmp_p
     steps = stream(seed=6, steps=16)
     plain = collection(tmp_path, "plain")
     train(plain, steps[:8])
-    plain.checkpoint_to_snapshots(None)
+    plain.checkpoint_to_snapshots(tmp_path / "snapshots")
     resumed = collection(tmp_path, "resumed", expiry=Expiry(ttl="2h"))
     resumed.load_state_dict(plain.state_dict())
     saved = {t: {i for f in steps[:8] for i in f[t][1].tolist()} for t in range(2)}
     hour = 3600
     for k, features in enumerate(steps[8:]):
+        if k == 2:  # saved (incremental over the snapshot without expiry) and resumed once more
+            again = collection(tmp_path, "again", expiry=Expiry(ttl="2h"))
+            resumed.checkpoint_to_snapshots(tmp_path / "snapshots")
+            again.load_state_dict(resumed.state_dict())
+            resumed = again
         train(resumed, [features], [1_796_000_000 + hour * k])
         since = {t: {i for f in steps[8:9 + k] for i in f[t][1].tolist()} for t in range(2)}
         untouched = {t: sorted(saved[t] - since[t]) for t in range(2)}
