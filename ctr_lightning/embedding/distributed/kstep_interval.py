@@ -43,14 +43,17 @@ class IntervalRecord:
     def segments(self) -> int:
         return max(len(self.segment_starts), 1)
 
-    def note_step(self, stamped: np.ndarray, seconds: float | None) -> None:
+    def note_step(self, stamped: np.ndarray, seconds: float | None, step: int | None = None) -> None:
         """A training step begins: ``stamped``, the tables' step counts (what its lookups
-        stamp); ``seconds``, this rank's newest event time of its batch (None: none)."""
+        stamp); ``seconds``, this rank's newest event time of its batch (None: none);
+        ``step``, the step's number, the same on every rank (default: ``stamped``), which
+        the segments are cut on (a rank that skipped a step on a non-finite gradient counts
+        one step fewer in ``stamped``, and every rank must send the same segments)."""
         stamped = np.asarray(stamped, dtype=np.int64).copy()
-        if not self.segment_starts or (self.halving.any() and np.any(
-                (stamped // np.maximum(self.halve_every, 1) != self.segment_starts[-1] // np.maximum(self.halve_every, 1))
-                & self.halving)):
-            self.segment_starts.append(stamped)
+        at = stamped if step is None else np.full(len(stamped), step, dtype=np.int64)
+        every = np.maximum(self.halve_every, 1)
+        if not self.segment_starts or np.any((at // every != self.segment_starts[-1] // every) & self.halving):
+            self.segment_starts.append(at)
         self.stamped.append(stamped)
         self.times.append(seconds)
 

@@ -155,7 +155,7 @@ class KStepTables(TableEngine):
                 self.merge()
             # A synchronous step (warm-up) is merged right after, as k = 1 would be.
             self._merge_due = self.schedule.synchronous() | self.schedule.step()
-            self.interval.note_step(self._step_counts(), self._event_time)
+            self.interval.note_step(self._step_counts(), self._event_time, self.schedule.steps - 1)
             self._event_time = None
             self._pull(parts, count=self.admits)
         else:
