@@ -21,6 +21,17 @@ def row_index_cache(tmp_path_factory):
     os.environ["CTR_LIGHTNING_CACHE"] = str(tmp_path_factory.mktemp("ctr_lightning_cache"))
 
 
+@pytest.fixture(autouse=True)
+def no_seed_left_behind():
+    """``pl.seed_everything`` writes the seed into the environment, where the next test in
+    this process (and the processes it starts) would find it: each test starts without."""
+    import os
+
+    yield
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        os.environ.pop(name, None)
+
+
 @dataclass(frozen=True)
 class CriteoSample:
     """Two Criteo-layout files of 4,584 and 1,999 rows: the real Kaggle samples, or

@@ -25,6 +25,7 @@ from ctr_lightning.datamodules import ParquetDataModule
 from ctr_lightning.models import DLRMModule
 
 train, val = sys.argv[2], sys.argv[3]
+pl.seed_everything(0)
 dm = ParquetDataModule(train_paths=[train], val_paths=[val], label_column="click", dense_columns=["price"],
                        categorical_columns=["ad", "site"], batch_size=64)
 model = DLRMModule(sparse_feature_names=dm.sparse_feature_names, num_dense_features=1, num_embeddings=1000,
