@@ -12,7 +12,7 @@ steps a side, the order alternating, after ``--warmup`` untimed steps a side.
 
     (a) no admission, no expiry: tables only grow (3.6x day 7 -> day 30 on the long tail)
     (b) ttl of 3 days
-    (c) (b) + admit_after=2
+    (c) (b) + admit_after=2 (its counters halved every 3 days, the ttl: Admission's default)
     (d) max_rows per table at (a)'s size at day 7
 
     python benchmarks/bench_online_step_rate.py [--cohort-size 200000 --configs a,b,c,d]

@@ -51,7 +51,10 @@ class StorageMonitor(Callback):
     and the SSD index), ``storage/index_bytes_per_row`` (the SSD index per row stored
     there) and ``storage/rss_bytes``; rows and SSD GiB also on the progress bar. Where
     tables admit ids selectively: ``storage/rows_admitted`` and ``storage/rows_rejected``
-    (so far), and per table ``storage/admitted/<table>`` and ``storage/rejected/<table>``.
+    (so far), and per table ``storage/admitted/<table>`` and ``storage/rejected/<table>``;
+    where they count sightings, ``storage/sketch_fill/<table>``, the share of the sketch's
+    counters in use (this rank's; far over half, ids seen once get rows: see
+    ``Admission.halve_every``).
     Where tables expire rows: ``storage/rows_expired`` (by ttl) and ``storage/rows_evicted``
     (by max_rows) so far, and per table ``storage/live_rows/<table>`` (rows stored now),
     ``storage/expired/<table>`` and ``storage/evicted/<table>``.
@@ -121,8 +124,11 @@ class StorageMonitor(Callback):
 
     def _admission(self) -> dict[str, float]:
         per_table = {name: c for collection in self._collections for name, c in collection.admission_counts().items()}
-        return _table_counts(per_table, {"admitted": "rows_admitted", "rejected": "rows_rejected"},
-                             {"admitted": "admitted", "rejected": "rejected"})
+        out = _table_counts(per_table, {"admitted": "rows_admitted", "rejected": "rows_rejected"},
+                            {"admitted": "admitted", "rejected": "rejected"})
+        out.update({f"storage/sketch_fill/{table}": c["counters_used"] / c["counters"]
+                    for table, c in per_table.items() if c.get("counters")})
+        return out
 
     def _expiry(self) -> dict[str, float]:
         per_table = {name: c for collection in self._collections for name, c in collection.expiry_counts().items()}

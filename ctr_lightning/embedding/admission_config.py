@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ctr_lightning.checkpoint_safe import checkpoint_safe
 
@@ -35,11 +35,14 @@ class Admission:
         sketch_bytes: memory of the sighting counters of a table (split over the ranks that
             own its rows); at least 645,120 bytes.
         halve_every: halve every counter each time the table's training step count passes
-            a multiple of this (None: counters only grow), as TinyLFU's reset does: ids seen
-            long ago fade, so a sketch of fixed size does not fill up over a run without
-            end and start admitting ids at their first sighting. An id then needs about
-            ``admit_after`` sightings within ``halve_every`` steps. Applied between steps,
-            the same on every rank and after a resume.
+            a multiple of this, as TinyLFU's reset does: ids seen long ago fade, so a sketch
+            of fixed size does not fill up over a run without end and start admitting ids
+            at their first sighting. An id then needs about ``admit_after`` sightings within
+            ``halve_every`` steps. Applied between steps, the same on every rank and after a
+            resume. None (the default): the table's :class:`Expiry` ttl where it counts
+            training steps (sightings age as stored rows do: a row not looked up in a ttl
+            goes, so a sighting a ttl ago counts for little), else never. 0: never (counters
+            only grow; a sketch over 50% in use is warned about at each save).
         seed: seeds the sketch's hashes and the probability draws.
 
     Example::
@@ -59,10 +62,11 @@ class Admission:
             raise ValueError(f"Admission.admit_after must be in [1, {MAX_ADMIT_AFTER}], got {self.admit_after}")
         if not 0 < self.probability <= 1:
             raise ValueError(f"Admission.probability must be in (0, 1], got {self.probability}")
-        if self.halve_every is not None and (self.halve_every < 1 or self.admit_after < 2):
+        if self.halve_every is not None and (isinstance(self.halve_every, bool) or not isinstance(self.halve_every, int)
+                                             or self.halve_every < 0 or (self.halve_every and self.admit_after < 2)):
             raise ValueError(f"Admission.halve_every ages the sighting counters of admit_after > 1: it must be a "
-                             f"number of steps >= 1 with admit_after >= 2, got halve_every={self.halve_every}, "
-                             f"admit_after={self.admit_after}")
+                             f"number of steps >= 1 with admit_after >= 2 (0: never), got "
+                             f"halve_every={self.halve_every!r}, admit_after={self.admit_after}")
         if self.admit_after > 1 and self.probability < 1:
             raise ValueError(f"Admission: admit_after ({self.admit_after}) and probability ({self.probability}) are "
                              f"two modes; set one")
@@ -71,6 +75,16 @@ class Admission:
     def counts(self) -> bool:
         """Whether sightings are counted (``admit_after`` > 1)."""
         return self.admit_after > 1
+
+    def aged_with(self, ttl_steps: int | None) -> Admission:
+        """This setting with ``halve_every`` resolved for a table whose ttl is ``ttl_steps``
+        training steps (None: none, or one in data time): a whole number of steps, 0 for
+        counters that only grow. Resolving a resolved setting changes nothing."""
+        if not self.counts:
+            return replace(self, halve_every=0)
+        if self.halve_every is None:
+            return replace(self, halve_every=ttl_steps or 0)
+        return self
 
     @property
     def filters(self) -> bool:

@@ -153,8 +153,8 @@ class LocalTables(TableEngine):
         return out
 
     def admission_counts(self) -> dict[str, dict[str, int]]:
-        return {name: dict(counts) for group in self.groups if group.admission is not None
-                for name, counts in group.admission.per_table.items()}
+        return {name: counts for group in self.groups if group.admission is not None
+                for name, counts in group.admission.table_counts().items()}
 
     def expiry_counts(self) -> dict[str, dict[str, int]]:
         return {name: counts for group in self.groups if group.expiry is not None

@@ -86,9 +86,9 @@ class TableSetup:
             kernel=kernel,
             init_range={t.name: init_range(t) for t in tables},
             module_name=module_name,
-            admission=_admission_per_table(admission, names),
             expiry=_settings_per_table(expiry, names, "expiry", Expiry, lambda s: True),
         )
+        setup = dataclasses.replace(setup, admission=_admission_per_table(admission, names, setup.expiry))
         for name, space in setup.id_space.items():
             if space not in ID_SPACES:
                 raise ValueError(f"table {name!r}: id_space must be 'hashed' or 'bounded', got {space!r}")
@@ -286,9 +286,11 @@ def _check_dram(dram: Mapping[str, int], owner: str) -> None:
 
 
 def _admission_per_table(value: Admission | Mapping[str, Admission | None] | None,
-                         names: list[str]) -> dict[str, Admission]:
-    """Tables a dict leaves out, or names None, admit every id."""
+                         names: list[str], expiry: Mapping[str, Expiry]) -> dict[str, Admission]:
+    """Tables a dict leaves out, or names None, admit every id. Each counting table's
+    ``halve_every`` is resolved against its ttl (:meth:`Admission.aged_with`)."""
     settings = _settings_per_table(value, names, "admission", Admission, lambda s: s.filters)
+    settings = {n: s.aged_with(expiry[n].ttl_steps if n in expiry else None) for n, s in settings.items()}
     for name, setting in settings.items():
         if setting.counts and setting.sketch_bytes < min_sketch_bytes():
             raise ValueError(f"table {name!r}: Admission.sketch_bytes {setting.sketch_bytes} is below the minimum "

@@ -303,7 +303,8 @@ class TieredEmbeddingBagCollection(nn.Module):
                                       k=self._merge_schedule.k if self._sparse_sync == "k_step" else 1)
         self._setup = TableSetup.build(self._tables, self.placement.storage, self._setup.optimizer,
                                        dict(self._setup.id_space), self._setup.is_weighted, self._setup.device,
-                                       self._setup.seed, self._setup.kernel, module_name=self._setup.module_name)
+                                       self._setup.seed, self._setup.kernel, module_name=self._setup.module_name,
+                                       admission=dict(self._setup.admission), expiry=dict(self._setup.expiry))
         if self._copy_lineage is not None:
             claim_planned_ssd(self._copy_lineage, self._ssd_dirs(), self, type(self).__name__,
                               [t.name for t in self._tables])

@@ -1,4 +1,5 @@
 import lightning.pytorch as pl
+import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -37,6 +38,11 @@ def test_admission_counts_per_table_reach_tensorboard(tmp_path):
     table = next(iter(counts))
     assert events.Scalars(f"storage/admitted/{table}")[-1].value == counts[table]["admitted"]
     assert events.Scalars("storage/rows_rejected")[-1].value == rejected
+    # The sketch's counters in use: each id sighted took a counter in each of its rows.
+    sketch = counts[table]
+    assert 0 < sketch["counters_used"] < sketch["counters"]
+    assert events.Scalars(f"storage/sketch_fill/{table}")[-1].value == pytest.approx(
+        sketch["counters_used"] / sketch["counters"])
 
 
 def test_expired_and_live_rows_per_table_reach_tensorboard(tmp_path):

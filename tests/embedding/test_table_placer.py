@@ -8,7 +8,9 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ctr_lightning.embedding import (
+    Admission,
     AutoStorage,
+    Expiry,
     StorageConfig,
     TableSharding,
     TieredEmbeddingBagCollection,
@@ -69,3 +71,16 @@ def test_a_placer_given_up_front_plans_at_the_first_use_with_a_guess():
     with pytest.raises(ValueError, match=r"placer is for storage 'auto'.*"):
         TieredEmbeddingBagCollection(_tables(), storage=StorageConfig(), placer=placer)
 
+
+
+def test_planned_tiers_keep_the_tables_admission_and_expiry():
+    # The plan rebuilds the tables' setup with its tiers; admission and expiry stay as given.
+    ebc = TieredEmbeddingBagCollection(_tables(), storage="auto", placer=AllInMemory(),
+                                       admission={"t0": Admission(admit_after=2)}, expiry=Expiry(ttl=1))
+    ebc.train()
+    ebc(_kjt()).values().sum().backward()  # 32 ids a table, once each: none admitted in t0, all stored in t1
+    assert ebc.admission_counts()["t0"]["rejected"] == 32 and ebc.storage_stats()["memory_rows"] == 32
+    for _ in range(2):
+        later = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], torch.tensor([1, 2]), torch.ones(2, dtype=torch.int32))
+        ebc(later).values().sum().backward()
+    assert ebc.expiry_counts()["t1"]["expired"] == 32  # not looked up in 1 step: gone

@@ -22,7 +22,8 @@ from ctr_lightning.serving import read_export
 # row-wise, table-wise, and on 2 ranks k-step tables (merges every 2 steps), whose owners
 # admit at each merge on all ranks' sightings of the interval.
 # Expiry with admission (32-example batches, cut after 7 of 14 steps): tables expire by ttl,
-# t1's in data time (the newest event time over the ranks counts), and t0 has a row cap
+# t1's in data time (the newest event time over the ranks counts; t0's admission counters
+# are halved every ttl by default, t1's never), and t0 has a row cap
 # (row-wise: counted over every rank's shard). A table kept by an LFU score, and one by
 # PaddleBox's show/click score, whose clicks (each example's label) travel with the ids.
 RANK_SCRIPT = r"""
@@ -142,7 +143,8 @@ for label in LABELS:
 def expiring(label):
     sharding = label.split("+")[0].replace("kstep_", "")
     kstep = label.startswith("kstep")
-    expiry = {"t0": Expiry(ttl=3, max_rows=25), "t1": Expiry(ttl="2h")}
+    # t0's admission counters are halved every 3 steps, its ttl (the default); t1's never.
+    expiry = {"t0": Expiry(ttl=3, max_rows=15), "t1": Expiry(ttl="2h")}
     sync = dict(sparse_sync="k_step", sync_every=2) if kstep else {}
     return TieredEmbeddingBagCollection(
         TABLES, optimizer=SparseAdam(lr=0.05), sharding=sharding, admission=Admission(admit_after=2), expiry=expiry,
@@ -332,7 +334,7 @@ def test_two_ranks_keep_the_rows_one_process_keeps(runs):
         gone = {n: sum(c[n]["expired"] + c[n]["evicted"] for c in one["counts"]) for n in one["stored"]}
         assert all(g > 10 for g in gone.values()), gone  # rows did go
         assert sum(len(ids) for ids in one["stored"].values()) == sum(c[n]["rows"] for c in one["counts"] for n in c)
-        assert sum(c["t0"]["evicted"] for c in one["counts"]) > 0 and len(one["stored"]["t0"]) <= 25
+        assert sum(c["t0"]["evicted"] for c in one["counts"]) > 0 and len(one["stored"]["t0"]) <= 15
         for label in (sharding, sharding + "+resumed"):
             for world in (1, 2):
                 run = load(runs, "expiry", label, world)
@@ -370,7 +372,7 @@ def test_two_ranks_keep_the_rows_one_process_keeps(runs):
         for name, rows in straight["rows"].items():
             torch.testing.assert_close(resumed["rows"][name], rows, atol=1e-5, rtol=0)
         assert sum(c["t0"]["evicted"] for c in straight["counts"] if "t0" in c) > 0
-        assert len(straight["stored"]["t0"]) <= 25
+        assert len(straight["stored"]["t0"]) <= 15
     # A row cap by score, table-wise and row-wise: 2 ranks and a resume keep what one process keeps.
     one = load(runs, "scored", "lfu_table_wise", 1)
     assert sum(c["t0"]["evicted"] for c in one["counts"]) > 5 and len(one["stored"]["t0"]) <= 25

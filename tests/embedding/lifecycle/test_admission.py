@@ -1,3 +1,5 @@
+import dataclasses
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -6,7 +8,7 @@ import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from ctr_lightning.embedding import Admission, SparseAdam, StorageConfig, TieredEmbeddingBagCollection
+from ctr_lightning.embedding import Admission, Expiry, SparseAdam, StorageConfig, TieredEmbeddingBagCollection
 from tests.embedding.lifecycle.id_streams import kjt, occurrences_kept, train, zipf_stream
 
 TABLES = [
@@ -105,6 +107,55 @@ def test_halving_the_counters_forgets_old_sightings_exactly_and_across_a_resume(
             torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
+def test_counters_age_with_a_ttl_in_steps_by_default(tmp_path):
+    # halve_every unset on a table with Expiry(ttl=4): halved every 4 steps, as halve_every=4
+    # (the sighting counts age as the rows do); 0 never halves, nor does a ttl in data time.
+    settings = TieredEmbeddingBagCollection(
+        TABLES, admission={"t0": Admission(admit_after=3), "t1": Admission(admit_after=3, halve_every=0)},
+        expiry=Expiry(ttl=4))._setup.admission
+    assert settings["t0"].halve_every == 4 and settings["t1"].halve_every == 0
+    assert Admission(admit_after=3).aged_with(None).halve_every == 0
+    data_time = TieredEmbeddingBagCollection(TABLES, admission=Admission(admit_after=3), expiry=Expiry(ttl="2h"))
+    assert {s.halve_every for s in data_time._setup.admission.values()} == {0}
+    steps = zipf_stream(4, 24, BATCH, 1.3)
+    by_default = collection(tmp_path, "d", admission=Admission(admit_after=3), expiry=Expiry(ttl=4))
+    by_hand = collection(tmp_path, "h", admission=Admission(admit_after=3, halve_every=4), expiry=Expiry(ttl=4))
+    never = collection(tmp_path, "n", admission=Admission(admit_after=3, halve_every=0), expiry=Expiry(ttl=4))
+    for a, b in zip(train(by_default, steps), train(by_hand, steps)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    train(never, steps)
+    assert by_default.tier_stats()["rows_admitted"] == by_hand.tier_stats()["rows_admitted"]
+    assert by_default.tier_stats()["rows_admitted"] < never.tier_stats()["rows_admitted"] - 10
+
+
+def test_a_sketch_that_only_counts_up_warns_once_at_a_save_when_over_half_full():
+    # The smallest sketch (322,560 counters in each of its 2 rows) over 400,000 distinct ids.
+    small = Admission(admit_after=2, sketch_bytes=645_120, halve_every=0)
+    ebc = TieredEmbeddingBagCollection(TABLES, admission=small, seed=3)
+    ids = np.random.default_rng(0).integers(0, 2**62, 400_000)
+    one_each = lambda n: [(np.ones(n, dtype=np.int64), ids[:n])] * 2
+    ebc.train()
+    ebc(kjt(one_each(10)))
+    ebc.state_dict()  # few counters in use: nothing said
+    fill = ebc.admission_counts()["t0"]
+    assert 0 < fill["counters_used"] <= 20 and fill["counters"] == 645_120
+    ebc(kjt(one_each(400_000)))
+    with pytest.warns(UserWarning, match=r"table 't[01]': admission's sighting counters are \d+% in use") as said:
+        ebc.state_dict()
+    assert sorted(str(w.message)[7:9] for w in said) == ["t0", "t1"]
+    assert ebc.admission_counts()["t0"]["counters_used"] > 645_120 // 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ebc.state_dict()  # once a table
+    # Halved counters never warn.
+    aging = TieredEmbeddingBagCollection(TABLES, admission=dataclasses.replace(small, halve_every=5), seed=3)
+    aging.train()
+    aging(kjt(one_each(400_000)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        aging.state_dict()
+
+
 def test_mean_pooling_counts_an_unadmitted_id_as_a_zero_row():
     table = EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=100, feature_names=["f0"],
                                pooling=PoolingType.MEAN)
@@ -167,8 +218,10 @@ def test_bad_admission_settings_name_the_setting_or_table():
         Admission(admit_after=2, probability=0.5)
     with pytest.raises(ValueError, match="halve_every ages the sighting counters of admit_after > 1"):
         Admission(admit_after=1, halve_every=10)
-    with pytest.raises(ValueError, match="halve_every=0"):
-        Admission(admit_after=2, halve_every=0)
+    with pytest.raises(ValueError, match="halve_every=-1"):
+        Admission(admit_after=2, halve_every=-1)
+    with pytest.raises(ValueError, match="halve_every=2.5"):
+        Admission(admit_after=2, halve_every=2.5)
     with pytest.raises(ValueError, match="table 't0'.*sketch_bytes 1000 is below"):
         TieredEmbeddingBagCollection(TABLES, admission={"t0": Admission(admit_after=2, sketch_bytes=1000)})
     with pytest.raises(ValueError, match=r"unknown tables \['nope'\]"):

@@ -358,7 +358,7 @@ def test_the_ssd_files_of_rows_gone_are_deleted_and_the_tables_stop_growing(tmp_
 
 def test_a_resume_keeps_and_drops_what_an_uninterrupted_run_does_with_admission(tmp_path):
     steps = stream(seed=2, steps=30)
-    settings = dict(expiry={"t0": Expiry(ttl=4, max_rows=24), "t1": Expiry(ttl=6)},
+    settings = dict(expiry={"t0": Expiry(ttl=4, max_rows=12), "t1": Expiry(ttl=6)},
                     admission=Admission(admit_after=2))
     uninterrupted = collection(tmp_path, "u", **settings)
     want = train(uninterrupted, steps)
@@ -374,7 +374,7 @@ def test_a_resume_keeps_and_drops_what_an_uninterrupted_run_does_with_admission(
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     ids = np.unique(np.concatenate([f[0][1] for f in steps]))
     torch.testing.assert_close(resumed.rows("t0", ids), uninterrupted.rows("t0", ids), atol=0, rtol=0)
-    assert resumed.expiry_counts()["t0"]["rows"] == uninterrupted.expiry_counts()["t0"]["rows"] <= 24
+    assert resumed.expiry_counts()["t0"]["rows"] == uninterrupted.expiry_counts()["t0"]["rows"] <= 12
     counts = uninterrupted.tier_stats()
     assert counts["rows_expired"] > 0 and counts["rows_evicted"] > 0 and counts["rows_rejected"] > 0
     # Without the floors, rows gone before the cut would be back: it differs.
