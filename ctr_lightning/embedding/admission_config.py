@@ -42,7 +42,7 @@ class Admission:
             resume. None (the default): the table's :class:`Expiry` ttl where it counts
             training steps (sightings age as stored rows do: a row not looked up in a ttl
             goes, so a sighting a ttl ago counts for little), else never. 0: never (counters
-            only grow; a sketch over 50% in use is warned about at each save).
+            only grow). A save finding a sketch over half in use warns, once a table.
         seed: seeds the sketch's hashes and the probability draws.
 
     Example::

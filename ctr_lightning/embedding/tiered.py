@@ -458,7 +458,9 @@ class TieredEmbeddingBagCollection(nn.Module):
 
     def admission_counts(self) -> dict[str, dict[str, int]]:
         """Per table that admits ids selectively (``admission``), the rows this rank
-        ``admitted`` and ``rejected`` so far (each owner counts its own rows)."""
+        ``admitted`` and ``rejected`` so far (each owner counts its own rows); where it
+        counts sightings, also its sketch's ``counters`` and ``counters_used`` (not zero)
+        on this rank."""
         return self._built().admission_counts()
 
     def storage_stats(self) -> dict[str, int]:

@@ -12,9 +12,9 @@ from ctr_lightning.embedding.initializer import table_key
 from ctr_lightning.embedding.lifecycle.sighting_sketch import SightingSketch
 from ctr_lightning.hashing import splitmix64
 
-HALVINGS = ":halvings"
-# The share of a never-halved sketch's counters in use above which a save warns.
-FULL_WARNING = 0.5  # the key of a table's halvings beside its counters in state()
+HALVINGS = ":halvings"  # the key of a table's halvings beside its counters in state()
+# The share of a sketch's counters in use (after the halvings due) above which a save warns.
+FULL_WARNING = 0.5
 
 
 class AdmissionGate:
@@ -114,21 +114,23 @@ class AdmissionGate:
             if setting.halve_every:
                 self._age(t, int(steps[t]))
                 out[name + HALVINGS] = np.array([sketch.halvings], dtype=np.int64)
-            else:
-                self._warn_if_full(name, sketch)
+            self._warn_if_full(name, sketch, setting.halve_every)
             out[name] = sketch.state()
         return out
 
-    def _warn_if_full(self, name: str, sketch: SightingSketch) -> None:
-        """Counters that only grow, over half in use: warned once a table, since admission
-        then silently stops filtering (bench_sketch_aging: 94% of once-seen ids admitted
-        with 98% in use)."""
+    def _warn_if_full(self, name: str, sketch: SightingSketch, halve_every: int) -> None:
+        """Counters over half in use after the halvings due: warned once a table, since
+        admission then quietly stops filtering (bench_sketch_aging: 94% of once-seen ids
+        admitted with 98% in use)."""
         used = np.count_nonzero(sketch.counts) / sketch.counts.size
-        if used > FULL_WARNING and name not in self._warned_full:
-            self._warned_full.add(name)
-            warnings.warn(f"table {name!r}: admission's sighting counters are {used:.0%} in use and only grow, so more "
-                          f"and more ids are admitted at their first sighting; set Admission.halve_every (steps) so "
-                          f"they age, or a larger sketch_bytes", stacklevel=2)
+        if used <= FULL_WARNING or name in self._warned_full:
+            return
+        self._warned_full.add(name)
+        remedy = (f"halved every {halve_every} steps, they still fill: halve more often or give a larger sketch_bytes"
+                  if halve_every else "they only grow: set Admission.halve_every (steps) so they age, or a larger "
+                                      "sketch_bytes")
+        warnings.warn(f"table {name!r}: admission's sighting counters are {used:.0%} in use, so more and more ids are "
+                      f"admitted at their first sighting; {remedy}", stacklevel=2)
 
     def _age(self, table: int, step: int) -> None:
         """Table ``table``'s counters with every halving due by its step count ``step``."""

@@ -52,7 +52,9 @@ class LifecycleState:
         return out
 
     def take(self, state: Mapping[str, Any]) -> None:
-        self.pending.update({key: state[key] for key in self.KEYS if key in state})
+        # An empty "expiry" is a checkpoint saved without expiry: under storage auto, tiers
+        # planned before 8a89ffe dropped the expiry setting and saved no floors.
+        self.pending.update({key: state[key] for key in self.KEYS if key in state and (key != "expiry" or state[key])})
 
     def restore(self, engine: TableEngine) -> None:
         pending, self.pending = self.pending, {}

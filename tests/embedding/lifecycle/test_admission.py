@@ -128,7 +128,7 @@ def test_counters_age_with_a_ttl_in_steps_by_default(tmp_path):
     assert by_default.tier_stats()["rows_admitted"] < never.tier_stats()["rows_admitted"] - 10
 
 
-def test_a_sketch_that_only_counts_up_warns_once_at_a_save_when_over_half_full():
+def test_a_save_warns_once_a_table_when_a_sketch_is_over_half_full():
     # The smallest sketch (322,560 counters in each of its 2 rows) over 400,000 distinct ids.
     small = Admission(admit_after=2, sketch_bytes=645_120, halve_every=0)
     ebc = TieredEmbeddingBagCollection(TABLES, admission=small, seed=3)
@@ -147,13 +147,20 @@ def test_a_sketch_that_only_counts_up_warns_once_at_a_save_when_over_half_full()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ebc.state_dict()  # once a table
-    # Halved counters never warn.
-    aging = TieredEmbeddingBagCollection(TABLES, admission=dataclasses.replace(small, halve_every=5), seed=3)
-    aging.train()
-    aging(kjt(one_each(400_000)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        aging.state_dict()
+    # Counters halved every 5 steps: over half in use inside a period warns too; once the
+    # halving is due, the ids seen once are forgotten and nothing is said.
+    for steps, warns in ((1, True), (6, False)):
+        aging = TieredEmbeddingBagCollection(TABLES, admission=dataclasses.replace(small, halve_every=5), seed=3)
+        aging.train()
+        aging(kjt(one_each(400_000))).values().sum().backward()
+        for _ in range(steps - 1):
+            aging(kjt(one_each(1))).values().sum().backward()
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            aging.state_dict()
+        assert [str(w.message)[7:9] for w in said] == (["t0", "t1"] if warns else []), steps
+        if warns:
+            assert "halved every 5 steps, they still fill" in str(said[0].message)
 
 
 def test_mean_pooling_counts_an_unadmitted_id_as_a_zero_row():

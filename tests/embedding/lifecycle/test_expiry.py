@@ -424,22 +424,27 @@ def test_rows_read_ahead_and_rows_in_flight_stay_while_the_cleaning_deletes_othe
     assert counters["prefetch_hits"] > 0 and counters["ssd_records_dropped"] > 0
 
 
-@pytest.mark.parametrize("saved", ["state_dict", "snapshot"])
+@pytest.mark.parametrize("saved", ["state_dict", "snapshot", "empty_floors"])
 def test_a_checkpoint_saved_without_expiry_resumes_with_it(tmp_path, saved):
     """A run that kept every row turns expiry on at a resume (its disk fills): the rows it
     saved count as looked up at its last step, so a ttl runs from the resume; they go
-    unless looked up again, and those looked up train on as in the run that kept them."""
+    unless looked up again, and those looked up train on as in the run that kept them.
+    ``empty_floors``: what tiers planned under storage auto saved before 8a89ffe, which
+    dropped the expiry setting (rows without expiry's words, and no floors)."""
     steps, cut, ttl = stream(seed=5), 10, 3
+    snapshots = tmp_path / "snapshots" if saved == "snapshot" else None
     plain = collection(tmp_path, "plain")
     train(plain, steps[:cut])
-    plain.checkpoint_to_snapshots(None if saved == "state_dict" else tmp_path / "snapshots")
+    plain.checkpoint_to_snapshots(snapshots)
     state = plain.state_dict()
+    if saved == "empty_floors":
+        state["_extra_state"]["expiry"] = {}
     resumed = collection(tmp_path, "resumed", expiry=Expiry(ttl=ttl))
     resumed.load_state_dict(state)
     train(resumed, steps[cut : cut + 5])
     # Saved again and resumed once more (from a snapshot: incremental over the one saved
     # without expiry, whose unchanged rows keep their stamp): the same as going on.
-    resumed.checkpoint_to_snapshots(None if saved == "state_dict" else tmp_path / "snapshots")
+    resumed.checkpoint_to_snapshots(snapshots)
     again = collection(tmp_path, "again", expiry=Expiry(ttl=ttl))
     again.load_state_dict(resumed.state_dict())
     train(again, steps[cut + 5 :])
