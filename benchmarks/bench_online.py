@@ -1,14 +1,15 @@
-"""An online run over simulated days, four ways, on the same drifting hourly log (ONE run):
+"""An online run over simulated days, five ways, on the same drifting hourly log (ONE run):
 
     (a) no admission, no expiry (the anchor: tables only grow)
     (b) ttl of 3 days
     (c) (b) + admit_after=2 (its counters halved every 3 days, the ttl: Admission's default)
     (d) max_rows per table at (a)'s size at day 7
-    (e) (c) with counters that are never halved (Admission(halve_every=0); not by default:
-        --configs a,b,c,d,e)
+    (e) (c) with counters that are never halved (Admission(halve_every=0))
 
 The log (datamodules/drifting_log.py): each day 20% of the lookups are ids born that day,
 older ids fade (popularity_decay a day) and 10% of the ids take a new click rate a day.
+Each day's new ids come from a cohort of 200,000 a feature (--cohort-size), so most of them
+are seen once, as in real logs; --cohort-size 20000 makes most of them recur.
 Each hour is one file and one training step, followed in partition order (follow mode),
 scored before it trains (progressive validation). Per configuration it prints rows stored
 and SSD bytes at days 7 and 30 and their ratio, the median step rate of days 29-30 against
@@ -17,7 +18,7 @@ barely move), the progressive AUC over days 8-30, rows stored against (b), and t
 after the first day (which compiles the kernels) against the median. Then, on (b)'s tables at day 20, delta exports after 1, 2, 4, 8 steps against a full
 export: the share of rows changed and the bytes written.
 
-    python benchmarks/bench_online.py [--days 30 --rows-per-hour 8192 --cohort-size 20000]
+    python benchmarks/bench_online.py [--days 30 --rows-per-hour 8192 --cohort-size 200000 --configs a,b,c,d,e]
 
 Files go under bench_out/online (git-ignored) and are deleted at the end (--keep keeps them).
 """
@@ -177,9 +178,9 @@ def main() -> None:
     parser.add_argument("--days", type=int, default=30)
     parser.add_argument("--hours-per-day", type=int, default=24)
     parser.add_argument("--rows-per-hour", type=int, default=8192)
-    parser.add_argument("--cohort-size", type=int, default=20000)
+    parser.add_argument("--cohort-size", type=int, default=200000)
     parser.add_argument("--device-rows", type=int, default=20000, help="device-tier rows per table")
-    parser.add_argument("--configs", default="a,b,c,d")
+    parser.add_argument("--configs", default="a,b,c,d,e")
     parser.add_argument("--work", default=str(ROOT / "bench_out" / "online"))
     parser.add_argument("--keep", action="store_true")
     parser.add_argument("--criteo", default=None,
