@@ -118,6 +118,14 @@ class TableSetup:
             _check_dram(dram, module_name)
         return setup
 
+    def with_storage(self, tables: Sequence[EmbeddingBagConfig],
+                     storage: StorageConfig | Mapping[str, StorageConfig]) -> TableSetup:
+        """This setup built anew, and checked, with the tiers a placement plan gave ``tables``;
+        every other setting as it is."""
+        return TableSetup.build(tables, storage, self.optimizer, dict(self.id_space), self.is_weighted, self.device,
+                                self.seed, self.kernel, module_name=self.module_name, admission=dict(self.admission),
+                                expiry=dict(self.expiry))
+
     def tiers(self, tables: Sequence[EmbeddingBagConfig]) -> dict[str, dict[str, Any]]:
         """Per table, its tiers' capacities in rows (None: every row), SSD directory and
         row bytes (see :meth:`TieredEmbeddingBagCollection.table_tiers`)."""

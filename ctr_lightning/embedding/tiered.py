@@ -301,10 +301,7 @@ class TieredEmbeddingBagCollection(nn.Module):
                                       process_group=process_group, batch_size=batch_size, access=access,
                                       sparse_sync=self._sparse_sync,
                                       k=self._merge_schedule.k if self._sparse_sync == "k_step" else 1)
-        self._setup = TableSetup.build(self._tables, self.placement.storage, self._setup.optimizer,
-                                       dict(self._setup.id_space), self._setup.is_weighted, self._setup.device,
-                                       self._setup.seed, self._setup.kernel, module_name=self._setup.module_name,
-                                       admission=dict(self._setup.admission), expiry=dict(self._setup.expiry))
+        self._setup = self._setup.with_storage(self._tables, self.placement.storage)
         if self._copy_lineage is not None:
             claim_planned_ssd(self._copy_lineage, self._ssd_dirs(), self, type(self).__name__,
                               [t.name for t in self._tables])

@@ -394,13 +394,12 @@ class RowExpiry:
         self.newest = None if newest is None else float(newest)
 
     def load(self, floors: dict[str, int]) -> None:
+        """The floors of a checkpoint. A table it holds none for was saved without expiry
+        (expiry turned on for it at this resume): its rows were widened as they loaded
+        (:meth:`widen`) and its floor starts at none gone."""
         for t, name in enumerate(self.names):
-            if not self.stamped[t]:
-                continue
-            if name not in floors:
-                raise KeyError(f"table {name!r} has Expiry but the checkpoint holds no expiry floor for it (saved "
-                               f"without expiry?)")
-            self.floor[t] = int(floors[name])
+            if self.stamped[t] and name in floors:
+                self.floor[t] = int(floors[name])
         self.needs_recount = True
 
     def widen(self, tables: np.ndarray, rows: torch.Tensor, steps: np.ndarray, width: int) -> torch.Tensor:

@@ -424,6 +424,59 @@ def test_rows_read_ahead_and_rows_in_flight_stay_while_the_cleaning_deletes_othe
     assert counters["prefetch_hits"] > 0 and counters["ssd_records_dropped"] > 0
 
 
+def ttl_after_a_resume(steps, cut, ttl, t):
+    """Worked out apart from the library, for table ``t`` saved without expiry at step
+    ``cut`` and resumed with ``ttl``: each id's last lookup (cut - 1 for every row saved), a
+    row gone before its next lookup starting over. Returns the ids live at the end, those
+    of them that never started over, the ids gone, and those gone that were saved."""
+    last = {i: cut - 1 for f in steps[:cut] for i in f[t][1].tolist()}
+    restarted, floor = set(), 0
+    for clock in range(cut, len(steps)):
+        for i in np.unique(steps[clock][t][1]).tolist():
+            if i in last and last[i] < floor:
+                restarted.add(i)
+            last[i] = clock
+        floor = clock + 1 - ttl
+    live = sorted(i for i, s in last.items() if s >= floor)
+    gone = sorted(i for i, s in last.items() if s < floor)
+    saved = {x for f in steps[:cut] for x in f[t][1].tolist()}
+    return live, [i for i in live if i not in restarted], gone, [i for i in gone if i in saved]
+
+
+@pytest.mark.parametrize("saved", ["state_dict", "snapshot"])
+def test_expiry_turned_on_at_a_resume_beside_a_table_saved_with_it(tmp_path, saved):
+    # t0 expired rows before the save, t1 did not; resumed with a ttl on both (one group
+    # now): t0 goes on as if uninterrupted, t1 as a table saved without expiry.
+    steps, cut, ttl = stream(seed=5), 10, 3
+    snapshots = tmp_path / "snapshots" if saved == "snapshot" else None
+    before = {"t0": Expiry(ttl=ttl)}
+    first = collection(tmp_path, "first", expiry=before)
+    train(first, steps[:cut])
+    first.checkpoint_to_snapshots(snapshots)
+    resumed = collection(tmp_path, "resumed", expiry=Expiry(ttl=ttl))
+    resumed.load_state_dict(first.state_dict())
+    train(resumed, steps[cut:])
+    going_on = collection(tmp_path, "going_on", expiry=before)
+    train(going_on, steps)
+    ids = sorted({i for f in steps for i in f[0][1].tolist()})
+    torch.testing.assert_close(resumed.rows("t0", ids), going_on.rows("t0", ids), atol=0, rtol=0)
+    assert resumed.expiry_counts()["t0"]["rows"] == going_on.expiry_counts()["t0"]["rows"]
+    live, kept, gone, saved_gone = ttl_after_a_resume(steps, cut, ttl, 1)
+    assert len(kept) > 10 and len(saved_gone) > 10 and resumed.expiry_counts()["t1"]["rows"] == len(live)
+    torch.testing.assert_close(resumed.rows("t1", kept), going_on.rows("t1", kept), atol=0, rtol=0)
+    fresh = TieredEmbeddingBagCollection(TABLES, seed=3)
+    torch.testing.assert_close(resumed.rows("t1", gone), fresh.rows("t1", gone), atol=0, rtol=0)
+    # A ttl in data time: the checkpoint's event times are t0's alone; refused, naming t1.
+    hours = [1_796_000_000 + 3600 * k for k in range(len(steps))]
+    timed = collection(tmp_path, "timed", expiry={"t0": Expiry(ttl="2h")})
+    train(timed, steps[:cut], hours[:cut])
+    timed.checkpoint_to_snapshots(snapshots)
+    widened = collection(tmp_path, "widened", expiry=Expiry(ttl="2h"))
+    with pytest.raises(KeyError, match="table 't1' has a ttl in data time but the checkpoint holds no event times"):
+        widened.load_state_dict(timed.state_dict())
+        train(widened, steps[cut : cut + 1], hours[cut : cut + 1])
+
+
 @pytest.mark.parametrize("saved", ["state_dict", "snapshot", "empty_floors"])
 def test_a_checkpoint_saved_without_expiry_resumes_with_it(tmp_path, saved):
     """A run that kept every row turns expiry on at a resume (its disk fills): the rows it
@@ -452,24 +505,11 @@ def test_a_checkpoint_saved_without_expiry_resumes_with_it(tmp_path, saved):
     train(plain, steps[cut:])
     fresh = TieredEmbeddingBagCollection(TABLES, seed=3)
     for t, name in enumerate(("t0", "t1")):
-        # Worked out here: each id's last lookup (cut - 1 for every row saved), a row gone
-        # before its next lookup starting over.
-        last = {i: cut - 1 for f in steps[:cut] for i in f[t][1].tolist()}
-        restarted, floor = set(), 0
-        for clock in range(cut, len(steps)):
-            for i in np.unique(steps[clock][t][1]).tolist():
-                if i in last and last[i] < floor:
-                    restarted.add(i)
-                last[i] = clock
-            floor = clock + 1 - ttl
-        live = sorted(i for i, s in last.items() if s >= floor)
-        kept = [i for i in live if i not in restarted]
-        gone = sorted(i for i, s in last.items() if s < floor)
-        saved_gone = [i for i in gone if i in {x for f in steps[:cut] for x in f[t][1].tolist()}]
+        live, kept, gone, saved_gone = ttl_after_a_resume(steps, cut, ttl, t)
         assert len(kept) > 10 and len(saved_gone) > 10 and resumed.expiry_counts()[name]["rows"] == len(live)
         torch.testing.assert_close(resumed.rows(name, kept), plain.rows(name, kept), atol=0, rtol=0)
         torch.testing.assert_close(resumed.rows(name, gone), fresh.rows(name, gone), atol=0, rtol=0)
-        everything = sorted(last)
+        everything = sorted(set(live) | set(gone))
         torch.testing.assert_close(again.rows(name, everything), resumed.rows(name, everything), atol=0, rtol=0)
         assert again.expiry_counts()[name]["rows"] == resumed.expiry_counts()[name]["rows"]
     # Nothing tells the saved rows' last lookups apart: a row cap they exceed is refused.
