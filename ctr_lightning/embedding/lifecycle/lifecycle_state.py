@@ -52,9 +52,12 @@ class LifecycleState:
         return out
 
     def take(self, state: Mapping[str, Any]) -> None:
-        # An empty "expiry" is a checkpoint saved without expiry: under storage auto, tiers
-        # planned before 8a89ffe dropped the expiry setting and saved no floors.
-        self.pending.update({key: state[key] for key in self.KEYS if key in state and (key != "expiry" or state[key])})
+        """A checkpoint's entries; the last checkpoint taken wins. Where these tables expire
+        rows, the floors always load (none saved: every floor starts at none gone), so a
+        collection that trained before the load keeps none of its own."""
+        self.pending = {key: state[key] for key in self.KEYS if key in state}
+        if self.setup.expiry:
+            self.pending.setdefault("expiry", {})
 
     def restore(self, engine: TableEngine) -> None:
         pending, self.pending = self.pending, {}
@@ -62,9 +65,10 @@ class LifecycleState:
             engine.load_expiry_floors({name: int(floor) for name, floor in pending["expiry"].items()})
         if self.setup.timed_tables:
             clock = pending.get("expiry_clock")
-            if clock is None and "expiry" in pending:
-                raise KeyError(f"tables {self.setup.timed_tables} have a ttl in data time but the checkpoint holds "
-                               f"no event times (saved with a ttl in steps?)")
+            saved = [name for name in self.setup.timed_tables if name in pending.get("expiry", {})]
+            if clock is None and saved:
+                raise KeyError(f"tables {saved} have a ttl in data time but the checkpoint holds no event times "
+                               f"(saved with a ttl in steps?)")
             if clock is not None:
                 engine.load_expiry_clock({"newest": clock["newest"], "tables": {
                     name: {"base": int(e["base"]), "times": np.asarray(e["times"])} for name, e in clock["tables"].items()}})

@@ -394,12 +394,14 @@ class RowExpiry:
         self.newest = None if newest is None else float(newest)
 
     def load(self, floors: dict[str, int]) -> None:
-        """The floors of a checkpoint. A table it holds none for was saved without expiry
-        (expiry turned on for it at this resume): its rows were widened as they loaded
-        (:meth:`widen`) and its floor starts at none gone."""
+        """The floors of a checkpoint, whose rows replaced this collection's. A table it
+        holds none for was saved without expiry (expiry turned on for it at this resume): its
+        rows were widened as they loaded (:meth:`widen`) and its floor starts at none gone,
+        whatever this collection trained before the load."""
+        first = np.where(self.scored, _LOWEST, 0)
         for t, name in enumerate(self.names):
-            if self.stamped[t] and name in floors:
-                self.floor[t] = int(floors[name])
+            if self.stamped[t]:
+                self.floor[t] = int(floors[name]) if name in floors else int(first[t])
         self.needs_recount = True
 
     def widen(self, tables: np.ndarray, rows: torch.Tensor, steps: np.ndarray, width: int) -> torch.Tensor:
@@ -419,8 +421,11 @@ class RowExpiry:
             n = int(scored.sum())
             keys = self.scores(tables[scored], np.full(n, -1), np.zeros(n), np.ones(n), None, last)
             out[torch.from_numpy(scored), self.column + STAMP_WORDS] = torch.from_numpy(keys)
-        self.widened_at = np.where(self.timed, last, self.widened_at)
-        self.widened_cap |= self.max_rows >= 0
+        # Only these tables' rows: a table of the group saved with expiry keeps its stamps.
+        these = np.zeros(len(self.names), dtype=bool)
+        these[tables] = True
+        self.widened_at = np.where(self.timed & these, last, self.widened_at)
+        self.widened_cap |= these & (self.max_rows >= 0)
         return out
 
     def check_widened(self, t: int, total: int) -> None:

@@ -453,8 +453,10 @@ def test_expiry_turned_on_at_a_resume_beside_a_table_saved_with_it(tmp_path, sav
     first = collection(tmp_path, "first", expiry=before)
     train(first, steps[:cut])
     first.checkpoint_to_snapshots(snapshots)
+    state = first.state_dict()
+    going_on_at_cut = first
     resumed = collection(tmp_path, "resumed", expiry=Expiry(ttl=ttl))
-    resumed.load_state_dict(first.state_dict())
+    resumed.load_state_dict(state)
     train(resumed, steps[cut:])
     going_on = collection(tmp_path, "going_on", expiry=before)
     train(going_on, steps)
@@ -466,6 +468,17 @@ def test_expiry_turned_on_at_a_resume_beside_a_table_saved_with_it(tmp_path, sav
     torch.testing.assert_close(resumed.rows("t1", kept), going_on.rows("t1", kept), atol=0, rtol=0)
     fresh = TieredEmbeddingBagCollection(TABLES, seed=3)
     torch.testing.assert_close(resumed.rows("t1", gone), fresh.rows("t1", gone), atol=0, rtol=0)
+    # A lower row cap on t0 beside it: t0's rows go by their saved stamps, as with t0 alone
+    # (t1's rows, saved without stamps, do not make t0's look unknown).
+    live_t0 = going_on_at_cut.expiry_counts()["t0"]["rows"]
+    capped = {"t0": Expiry(ttl=ttl, max_rows=live_t0 // 2)}
+    runs = {}
+    for name, settings in (("alone", capped), ("beside", {**capped, "t1": Expiry(ttl=ttl)})):
+        runs[name] = collection(tmp_path, name, expiry=settings)
+        runs[name].load_state_dict(state)
+        train(runs[name], steps[cut:])
+    torch.testing.assert_close(runs["beside"].rows("t0", ids), runs["alone"].rows("t0", ids), atol=0, rtol=0)
+    assert runs["beside"].expiry_counts()["t0"]["evicted"] > 0
     # A ttl in data time: the checkpoint's event times are t0's alone; refused, naming t1.
     hours = [1_796_000_000 + 3600 * k for k in range(len(steps))]
     timed = collection(tmp_path, "timed", expiry={"t0": Expiry(ttl="2h")})
