@@ -173,13 +173,18 @@ def run(name: str, args, work: Path, expiry, admission, export_at: int | None = 
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_stream_arguments(parser: argparse.ArgumentParser) -> None:
+    """The drifting log's and the model's settings, shared with bench_online_step_rate."""
     parser.add_argument("--days", type=int, default=30)
     parser.add_argument("--hours-per-day", type=int, default=24)
     parser.add_argument("--rows-per-hour", type=int, default=8192)
     parser.add_argument("--cohort-size", type=int, default=200000)
     parser.add_argument("--device-rows", type=int, default=20000, help="device-tier rows per table")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_stream_arguments(parser)
     parser.add_argument("--configs", default="a,b,c,d,e")
     parser.add_argument("--work", default=str(ROOT / "bench_out" / "online"))
     parser.add_argument("--keep", action="store_true")

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_online import log_data, table_rows  # noqa: E402  (the same stream as bench_online)
+from bench_online import add_stream_arguments, log_data, table_rows  # noqa: E402  (the same stream as bench_online)
 
 from ctr_lightning.callbacks import TableSnapshots  # noqa: E402
 from ctr_lightning.datamodules import CriteoDataModule  # noqa: E402
@@ -138,11 +138,7 @@ def compare(name: str, args, work: Path, ckpts: tuple[Path, Path], expiry, admis
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--days", type=int, default=30)
-    parser.add_argument("--hours-per-day", type=int, default=24)
-    parser.add_argument("--rows-per-hour", type=int, default=8192)
-    parser.add_argument("--cohort-size", type=int, default=200000)
-    parser.add_argument("--device-rows", type=int, default=20000)
+    add_stream_arguments(parser)
     parser.add_argument("--configs", default="a,b,c,d")
     parser.add_argument("--steps", type=int, default=24, help="timed steps a side per round")
     parser.add_argument("--rounds", type=int, default=2)

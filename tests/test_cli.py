@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 
@@ -153,6 +155,18 @@ def test_admission_and_expiry_are_set_on_the_command_line(in_process, capsys):
     assert model["admission"]["admit_after"] == 2
     assert {k: model["expiry"][k] for k in ("ttl", "max_rows", "score")} == {"ttl": 50000, "max_rows": 1000000,
                                                                               "score": "lru"}
+
+
+@pytest.mark.parametrize("given,halved", [([], 50000), (["--model.admission.halve_every", "0"], 0),
+                                          (["--model.admission.halve_every", "720"], 720)])
+def test_admission_counters_age_with_a_ttl_in_steps_given_on_the_command_line(monkeypatch, given, halved):
+    # The model a config and its overrides build: an unset halve_every halves every ttl.
+    from ctr_lightning.cli import build_cli
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    cli = build_cli(["--config", "configs/demo.yaml", "--model.admission.admit_after", "2",
+                     "--model.expiry.ttl", "50000", *given], run=False)
+    assert {s.halve_every for s in cli.model.embeddings._setup.admission.values()} == {halved}
 
 
 HELP_CLASSES = [("model", m) for m in ("DLRMModule", "DCNv2Module", "DeepFMModule", "WideDeepModule")] + [
